@@ -1,0 +1,142 @@
+"""Divergences between the target's and the draft's next-token distributions.
+
+Every function takes probability tensors ``p`` (target) and ``q`` (draft) of
+shape ``[..., V]`` and returns one non-negative float32 value per position,
+shape ``[...]``. Sums run in float32 whatever the input dtype.
+
+Zeros: ``0 * log 0`` counts as 0. A term ``a * log(a / b)`` with ``a > 0`` and
+``b = 0`` is infinite in exact arithmetic; here ``b`` is floored at ``EPS``
+(1e-10), so such a term is large (about 23 nats per unit of mass) but finite.
+No NaN or inf ever comes out, so a threshold test never sees one.
+
+Truncated forms (``topk_*``, ``topp_*``) keep the target's most likely tokens
+(the top ``top_k``, or the smallest set holding ``top_p`` of the target's mass)
+and pool everything else of each distribution into one extra bucket, without
+renormalising, then apply the base divergence to those ``n + 1`` bins.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+EPS = 1e-10
+
+
+def _xlogy_ratio(a: Tensor, b: Tensor) -> Tensor:
+    """Elementwise a * log(a / b), 0 where a == 0, b floored at EPS."""
+    return torch.xlogy(a, a) - torch.xlogy(a, b.clamp_min(EPS))
+
+
+def kl(a: Tensor, b: Tensor) -> Tensor:
+    """KL(a || b) = sum_v a(v) log(a(v) / b(v))."""
+    return _xlogy_ratio(a, b).sum(-1).clamp_min(0)
+
+
+def kl_pq(p: Tensor, q: Tensor) -> Tensor:
+    """KL(p || q): the target relative to the draft."""
+    return kl(p, q)
+
+
+def kl_qp(p: Tensor, q: Tensor) -> Tensor:
+    """KL(q || p): the draft relative to the target."""
+    return kl(q, p)
+
+
+def js(p: Tensor, q: Tensor) -> Tensor:
+    """Jensen-Shannon: 0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2; in [0, ln 2]."""
+    m = 0.5 * (p + q)
+    return (0.5 * (kl(p, m) + kl(q, m))).clamp(0, math.log(2))
+
+
+def js_legacy(p: Tensor, q: Tensor) -> Tensor:
+    """0.5 KL(m || p) + 0.5 KL(m || q), m = (p + q) / 2.
+
+    What the FSD reference code computed under the name ``js_div``; kept so its
+    published thresholds can be reproduced. Unbounded, unlike ``js``.
+    """
+    m = 0.5 * (p + q)
+    return 0.5 * (kl(m, p) + kl(m, q))
+
+
+def tv(p: Tensor, q: Tensor) -> Tensor:
+    """Total variation: 0.5 sum_v |p(v) - q(v)|; in [0, 1]."""
+    return (0.5 * (p - q).abs().sum(-1)).clamp(0, 1)
+
+
+def hellinger(p: Tensor, q: Tensor) -> Tensor:
+    """Hellinger: sqrt(0.5 sum_v (sqrt p(v) - sqrt q(v))^2); in [0, 1]."""
+    return (0.5 * (p.sqrt() - q.sqrt()).square().sum(-1)).clamp(0, 1).sqrt()
+
+
+BASE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "kl_pq": kl_pq,
+    "kl_qp": kl_qp,
+    "js": js,
+    "js_legacy": js_legacy,
+    "tv": tv,
+    "hellinger": hellinger,
+}
+
+# The FSD reference code's names, mapped to what that code actually computed.
+ALIASES: dict[str, str] = {
+    "kl_div": "kl_qp",
+    "kl_div_reversed": "kl_pq",
+    "js_div": "js_legacy",
+    "tv_div": "tv",
+    "top_k_kl_div": "topk_kl_qp",
+    "top_k_js_div": "topk_js_legacy",
+    "top_k_tv_div": "topk_tv",
+}
+
+NAMES: tuple[str, ...] = tuple(
+    [*BASE] + [f"topk_{n}" for n in BASE] + [f"topp_{n}" for n in BASE]
+)
+
+
+def canonical_name(kind: str) -> str:
+    """Resolve an alias; raise ValueError listing the valid names for an unknown one."""
+    name = ALIASES.get(kind, kind)
+    if name not in NAMES:
+        valid = ", ".join([*NAMES, *ALIASES])
+        raise ValueError(f"unknown divergence {kind!r}; valid: {valid}")
+    return name
+
+
+def _bucketed(p: Tensor, q: Tensor, top_k: int | None, top_p: float | None) -> tuple[Tensor, Tensor]:
+    """Keep the target's top tokens and pool each distribution's rest into one bucket."""
+    if top_k is not None:
+        index = p.topk(min(top_k, p.shape[-1]), dim=-1).indices
+        keep = torch.ones_like(index, dtype=torch.bool)
+    else:
+        p_sorted, index = p.sort(dim=-1, descending=True)
+        # A token is kept while the mass before it is below top_p; the first one always is.
+        keep = (p_sorted.cumsum(-1) - p_sorted) < top_p
+    p_kept = p.gather(-1, index) * keep
+    q_kept = q.gather(-1, index) * keep
+    p_rest = (1 - p_kept.sum(-1, keepdim=True)).clamp_min(0)
+    q_rest = (1 - q_kept.sum(-1, keepdim=True)).clamp_min(0)
+    return torch.cat([p_kept, p_rest], -1), torch.cat([q_kept, q_rest], -1)
+
+
+def divergence(p: Tensor, q: Tensor, kind: str = "js", *, top_k: int = 50, top_p: float = 0.9) -> Tensor:
+    """D(p, q) per position: ``p``, ``q`` are ``[..., V]`` probabilities, the result is ``[...]`` float32.
+
+    ``kind`` is a name from ``NAMES`` or an alias from ``ALIASES``; ``top_k`` and
+    ``top_p`` set the truncation of the ``topk_*`` and ``topp_*`` forms.
+    """
+    name = canonical_name(kind)
+    p, q = p.float(), q.float()
+    if name.startswith("topk_"):
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        p, q = _bucketed(p, q, top_k, None)
+        name = name[5:]
+    elif name.startswith("topp_"):
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        p, q = _bucketed(p, q, None, top_p)
+        name = name[5:]
+    return BASE[name](p, q)

@@ -1,0 +1,96 @@
+"""Drafters: whatever proposes the next few tokens for the target to check.
+
+The decoding loop only ever calls ``propose`` and ``reset``; a new drafter
+(an EAGLE head, a tree) plugs in by implementing those two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from .kvcache import crop_to
+from .sampling import Sampling
+
+
+@dataclass
+class Proposal:
+    """``tokens`` [B, k] drafted; ``logits`` [B, k, V] raw draft logits; ``probs`` [B, k, V]
+    the processed distributions the tokens were drawn from (q in the rules)."""
+
+    tokens: Tensor
+    logits: Tensor
+    probs: Tensor
+
+    @staticmethod
+    def empty(batch: int, vocab_size: int, device: torch.device) -> "Proposal":
+        no_dist = torch.empty(batch, 0, vocab_size, device=device)
+        return Proposal(torch.empty(batch, 0, dtype=torch.long, device=device), no_dist, no_dist)
+
+
+class Drafter(Protocol):
+    forwards: int  # draft forward passes so far, for statistics
+
+    def propose(self, sequence: Tensor, num: int, sampling: Sampling,
+                generator: torch.Generator | None) -> Proposal:
+        """Draft up to ``num`` tokens after ``sequence`` ([B, L], the prompt and every emitted token)."""
+
+    def reset(self) -> None:
+        """Forget all state (call between unrelated sequences)."""
+
+
+def common_prefix(a: Tensor, b: Tensor) -> int:
+    """Length of the longest common prefix of two [1, L] token tensors."""
+    n = min(a.shape[1], b.shape[1])
+    same = (a[0, :n] == b[0, :n]).long()
+    return int(same.cumprod(0).sum())
+
+
+class ModelDrafter:
+    """A small causal LM sharing the target's vocabulary, drafting autoregressively.
+
+    Its KV cache survives between steps: at each ``propose`` it is cropped back to
+    the longest prefix it shares with the accepted sequence and only the new tokens
+    are fed, so the prompt is never recomputed. With ``min_confidence > 0`` drafting
+    stops early when the draft's top probability falls below it (adaptive length);
+    the unsure token is dropped, except the first, so a proposal is never empty.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, min_confidence: float = 0.0) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.min_confidence = min_confidence
+        self.forwards = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.cached: Tensor | None = None  # the tokens whose keys and values are in the cache
+
+    @torch.inference_mode()
+    def propose(self, sequence: Tensor, num: int, sampling: Sampling,
+                generator: torch.Generator | None) -> Proposal:
+        if num < 1:
+            return Proposal.empty(sequence.shape[0], self.vocab_size, sequence.device)
+        kept = 0 if self.cached is None else common_prefix(self.cached, sequence)
+        kept = min(kept, sequence.shape[1] - 1)  # always feed at least one token
+        crop_to(self.cache, kept)
+        feed = sequence[:, kept:]
+        tokens, logits, probs = [], [], []
+        for _ in range(num):
+            out = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.forwards += 1
+            step_logits = out.logits[:, -1, : self.vocab_size]
+            step_probs = sampling.probs(step_logits)
+            if tokens and self.min_confidence and step_probs.max() < self.min_confidence:
+                break
+            feed = sampling.pick(step_logits, step_probs, generator).unsqueeze(1)
+            tokens.append(feed)
+            logits.append(step_logits)
+            probs.append(step_probs)
+        # Every kept token but the last has been fed; the last is fed next time if accepted.
+        self.cached = torch.cat([sequence, *tokens[:-1]], 1)
+        return Proposal(torch.cat(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1))

