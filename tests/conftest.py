@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny randomly initialised Llama models built from configs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# Tiny models gain nothing from threads, and a busy 2-core machine makes threads wait on each other.
+torch.set_num_threads(1)
+
+
+def tiny_llama(vocab_size: int = 32, layers: int = 2, seed: int = 0, hidden: int = 32) -> LlamaForCausalLM:
+    """A tiny random Llama in float32; its logits are scaled up so distributions are peaked like a real LM's."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+@pytest.fixture(scope="session")
+def target() -> LlamaForCausalLM:
+    return tiny_llama(seed=0)
+
+
+def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
+    """The same architecture and weights plus Gaussian noise: a draft that agrees with ``model`` partly."""
+    copy = tiny_llama(vocab_size=model.config.vocab_size, layers=model.config.num_hidden_layers,
+                      hidden=model.config.hidden_size, seed=0)
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in copy.parameters():
+            if weight.numel() > 1:
+                weight.add_(torch.randn(weight.shape, generator=generator) * noise * weight.std())
+    return copy
+
+
+@pytest.fixture(scope="session")
+def draft(target) -> LlamaForCausalLM:
+    """Agrees with the target's greedy token about half of the time."""
+    return noisy_copy(target, 0.3, seed=1)
+
+
+@pytest.fixture
+def prompt() -> torch.Tensor:
+    return torch.tensor([[1, 5, 9, 3, 7, 2]])
