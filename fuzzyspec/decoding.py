@@ -113,7 +113,10 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
     fuzzy = config.method in FUZZY
     sampling = config.sampling
     generator = torch.Generator(device=input_ids.device)
-    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    if config.seed is None:
+        generator.seed()  # a fresh random seed for this generator only; torch's global one is untouched
+    else:
+        generator.manual_seed(config.seed)
     stats = Stats(method=config.method)
     if drafter is not None:
         drafter.reset()

@@ -1,6 +1,8 @@
 """Shared fixtures: tiny randomly initialised Llama models built from configs."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -44,6 +46,41 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCaus
 def draft(target) -> LlamaForCausalLM:
     """Agrees with the target's greedy token about half of the time."""
     return noisy_copy(target, 0.3, seed=1)
+
+
+def save_tiny(folder: Path, tokenizer, layers: int = 1, seed: int = 0, vocab_size: int | None = None) -> str:
+    """A tiny random Llama with ``tokenizer``'s vocabulary (or ``vocab_size`` logits), saved as an HF folder."""
+    model = tiny_llama(vocab_size=vocab_size or len(tokenizer), layers=layers, seed=seed, hidden=16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    from fuzzyspec.loading import embedded_folder
+    return AutoTokenizer.from_pretrained(embedded_folder())
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, embedded_tokenizer) -> dict[str, str]:
+    """Folders of tiny models: a target and a draft sharing the embedded tokenizer, one with a
+    different tokenizer, and one whose logits are too few for its tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("models")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)} | {"<unk>": 40}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="w0")
+    return {
+        "target": save_tiny(root / "target", embedded_tokenizer, layers=2, seed=0),
+        "draft": save_tiny(root / "draft", embedded_tokenizer, layers=1, seed=1),
+        "other_vocab": save_tiny(root / "other", other, seed=2),
+        "short_logits": save_tiny(root / "short", embedded_tokenizer, seed=3, vocab_size=1000),
+    }
 
 
 @pytest.fixture

@@ -3,45 +3,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import fuzzyspec.hf
 from fuzzyspec.sampling import Sampling
 from fuzzyspec.stats import Stats
+from conftest import tiny_llama
 
 V = 96
 PROMPTS = [[1, 5, 9, 3, 7, 2], [4], [8, 8, 8, 1, 0, 30, 31, 2, 2, 6, 17]]
 
 
-def tiny_llama(layers: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)  # peaked distributions, like a trained LM's: no near-ties in argmax
-    return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread (and do not fight other processes for cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    return tiny_llama(layers=2, seed=0)
+    return tiny_llama(vocab_size=V, layers=2, seed=0)
 
 
 @pytest.fixture(scope="module")
 def draft(target) -> LlamaForCausalLM:
     """One layer of its own (another seed) on the target's embeddings, final norm and head: agrees partly."""
-    model = tiny_llama(layers=1, seed=1)
+    model = tiny_llama(vocab_size=V, layers=1, seed=1)
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
         model.model.norm.weight.copy_(target.model.norm.weight)
@@ -116,6 +97,8 @@ def test_missing_draft_raises(target):
     for method in ("fsd", "sd", "fsd-hybrid"):
         with pytest.raises(ValueError, match="draft"):
             fsd(target, PROMPTS[0], fsd_method=method, max_new_tokens=5)
+    with pytest.raises(ValueError, match="unknown fsd_method"):
+        fsd(target, PROMPTS[0], fsd_method="beam", max_new_tokens=5)
     assert fsd(target, PROMPTS[0], fsd_method="ar", max_new_tokens=5).shape == (1, len(PROMPTS[0]) + 5)
 
 
