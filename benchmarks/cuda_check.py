@@ -1,0 +1,131 @@
+"""Check the CUDA paths on a GPU machine (not part of CI, which has no GPU).
+
+1. Correctness on CUDA with tiny random Llamas: greedy SD equals HF greedy
+   generate; AR equals HF; FSD-hybrid at T = 0 equals SD under one seed; FSD at
+   T = inf equals the draft decoding alone; seeded sampling is reproducible.
+2. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
+3. Loop overhead on the GPU: our AR against HF ``generate`` on a ~1B-parameter
+   random Llama in bfloat16 (random weights: only speed is meaningful here).
+
+Usage: python benchmarks/cuda_check.py
+"""
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fuzzyspec import DecodeConfig, ModelDrafter, ModelPair, Sampling, decode  # noqa: E402
+
+DEVICE = "cuda"
+failures: list[str] = []
+
+
+def check(name: str, ok: bool) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    if not ok:
+        failures.append(name)
+
+
+def llama(vocab: int, hidden: int, layers: int, seed: int, dtype=torch.float32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2 if hidden < 512 else
+                         hidden * 4, num_hidden_layers=layers, num_attention_heads=max(4, hidden // 64),
+                         num_key_value_heads=max(2, hidden // 256), max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).to(DEVICE, dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20 if hidden < 512 else 1)
+    return model
+
+
+def run(target, draft, prompt, **options):
+    sampling = Sampling(**{k: options.pop(k) for k in ("temperature", "top_k", "top_p") if k in options})
+    config = DecodeConfig(sampling=sampling, **options)
+    vocab = target.config.vocab_size
+    drafter = ModelDrafter(draft, vocab) if draft is not None else None
+    tokens, stats = decode(target, drafter, torch.tensor([prompt], device=DEVICE), config, vocab)
+    return tokens[0].tolist(), stats
+
+
+def correctness() -> None:
+    target = llama(256, 64, 2, seed=0)
+    draft = llama(256, 64, 2, seed=0)
+    draft.load_state_dict(target.state_dict())
+    g = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():
+        for w in draft.parameters():
+            if w.numel() > 1:
+                w.add_((torch.randn(w.shape, generator=g) * 0.3 * w.std().item()).to(DEVICE))
+    for prompt in ([1, 5, 9, 3], [7], list(range(20, 60))):
+        ids = torch.tensor([prompt], device=DEVICE)
+        expected = target.generate(ids, max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
+        sd, stats = run(target, draft, prompt, method="sd", gamma=4, max_new_tokens=48)
+        ar, _ = run(target, None, prompt, method="ar", max_new_tokens=48)
+        check(f"greedy sd == HF greedy (prompt len {len(prompt)}, accepted {stats.accepted}/{stats.proposed})",
+              sd == expected)
+        check(f"greedy ar == HF greedy (prompt len {len(prompt)})", ar == expected)
+    common = dict(temperature=1.0, top_p=0.95, gamma=4, max_new_tokens=48, divergence="kl_pq")
+    for seed in range(3):
+        a, _ = run(target, draft, [1, 2, 3], method="sd", seed=seed, **common)
+        b, _ = run(target, draft, [1, 2, 3], method="fsd-hybrid", threshold=0.0, seed=seed, **common)
+        c, _ = run(target, draft, [1, 2, 3], method="sd", seed=seed, **common)
+        check(f"sampled fsd-hybrid T=0 == sd, reproducible (seed {seed})", a == b == c)
+    for temperature in (0.0, 1.0):
+        fuzzy, stats = run(target, draft, [4, 4], method="fsd", threshold=math.inf, seed=5,
+                           temperature=temperature, max_new_tokens=40)
+        alone, _ = run(draft, None, [4, 4], method="ar", seed=5, temperature=temperature, max_new_tokens=40)
+        check(f"fsd T=inf == draft alone (temperature {temperature})", fuzzy == alone and stats.target_forwards == 0)
+
+
+def loading() -> None:
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(255)} | {"<unk>": 255}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="w0")
+    with tempfile.TemporaryDirectory() as folder:
+        llama(256, 64, 2, seed=0).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        for device in ("cuda", "auto"):
+            pair = ModelPair.load(folder, "self:1", dtype="auto", device=device)
+            result = pair.generate("w1 w2 w3", chat=False, method="fsd", threshold=0.3, max_new_tokens=16)
+            where = {str(p.device) for p in pair.target.parameters()}
+            check(f"load device={device}: dtype {pair.target.dtype}, on {sorted(where)}, "
+                  f"{result.stats.new_tokens} tokens", result.stats.new_tokens > 0 and "cpu" not in where)
+
+
+def overhead() -> None:
+    target = llama(32000, 2048, 16, seed=0, dtype=torch.bfloat16)
+    prompt = list(range(100, 164))
+    ids = torch.tensor([prompt], device=DEVICE)
+    n = 128
+    target.generate(ids, max_new_tokens=8, do_sample=False)
+    run(target, None, prompt, method="ar", max_new_tokens=8)
+    timings = {}
+    for name in ("hf", "ours", "hf", "ours"):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if name == "hf":
+            target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        else:
+            run(target, None, prompt, method="ar", max_new_tokens=n)
+        torch.cuda.synchronize()
+        timings.setdefault(name, []).append(n / (time.perf_counter() - start))
+    hf, ours = max(timings["hf"]), max(timings["ours"])
+    print(f"AR on a random 1B Llama, bf16, {n} tokens: HF generate {hf:.1f} tok/s, ours {ours:.1f} tok/s "
+          f"(ratio {ours / hf:.2f})")
+
+
+if __name__ == "__main__":
+    print(torch.__version__, torch.cuda.get_device_name(0))
+    correctness()
+    loading()
+    overhead()
+    print("all CUDA checks passed" if not failures else f"{len(failures)} CUDA checks FAILED")
+    sys.exit(1 if failures else 0)
