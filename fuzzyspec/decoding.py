@@ -121,6 +121,7 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
     if drafter is not None:
         drafter.reset()
         draft_forwards_before = drafter.forwards
+    wants_features = getattr(drafter, "wants_target_features", False)
     no_drafts = Proposal.empty(1, vocab_size, input_ids.device)
     cache = DynamicCache()
     sequence, prompt_len, gamma = input_ids, input_ids.shape[1], config.gamma
@@ -139,8 +140,9 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
             # Feed what the cache lacks (the whole prompt at first, then the newest token) and the drafts.
             cached = cache.get_seq_length()
             feed = torch.cat([sequence[:, cached:], drafts], 1)
-            logits = target(input_ids=feed, past_key_values=cache, use_cache=True,
-                            logits_to_keep=k + 1).logits[..., :vocab_size]
+            out = target(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=k + 1,
+                         output_hidden_states=wants_features)
+            logits = out.logits[..., :vocab_size]
             stats.target_forwards += 1
             rule_start = time.perf_counter()
             p = sampling.probs(logits)
@@ -149,6 +151,8 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
             n = int(accepted[0])
             stats.accept_s += time.perf_counter() - rule_start
             crop_to(cache, sequence.shape[1] + n)  # keep the accepted drafts; next_token is fed next step
+            if wants_features:  # the target's features of every fed token that stays
+                drafter.observe(cached, out.hidden_states[-1][:, : sequence.shape[1] - cached + n])
             new = torch.cat([drafts[:, :n], next_token.view(1, 1)], 1)
             stats.record_step(k, n, d)
             if config.gamma_schedule == "heuristic" and k:

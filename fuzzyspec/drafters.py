@@ -1,7 +1,8 @@
 """Drafters: whatever proposes the next few tokens for the target to check.
 
-The decoding loop only ever calls ``propose`` and ``reset``; a new drafter
-(an EAGLE head, a tree) plugs in by implementing those two.
+The decoding loop only ever calls ``propose`` and ``reset`` (and ``observe``,
+for drafters that read the target's features); a new drafter plugs in by
+implementing those.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget all state (call between unrelated sequences)."""
+
+    # Optional: a drafter with ``wants_target_features = True`` also gets
+    # ``observe(start, features)`` after each target pass: the target's last hidden
+    # states ([1, n, H], after its final norm) of positions start .. start + n - 1.
 
 
 def common_prefix(a: Tensor, b: Tensor) -> int:

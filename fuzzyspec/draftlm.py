@@ -1,0 +1,88 @@
+"""Small draft LMs that share the target's embedding and LM head.
+
+A draft of this kind is a causal LM of the target's family with a few decoder
+layers of its own; its token embedding and LM head are the target's, frozen,
+so only the layers and the final norm are stored (a few MB). Its folder holds
+``config.json`` (the target family's config with ``num_hidden_layers`` cut and a
+``fuzzyspec_shares`` entry naming the shared parts) and ``model.safetensors``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+SHARED = ("embed_tokens", "lm_head")
+
+
+def is_shared_draft(folder: str | Path) -> bool:
+    config = Path(folder) / "config.json"
+    return config.is_file() and "fuzzyspec_shares" in json.loads(config.read_text())
+
+
+def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[int] | None = None) -> PreTrainedModel:
+    """A draft with ``num_layers`` layers copied from the target (its first ones, or ``init_layers``),
+    a copy of its final norm, and the target's own embedding and LM head (shared, frozen)."""
+    source = init_layers if init_layers is not None else list(range(num_layers))
+    if len(source) != num_layers or not all(0 <= i < target.config.num_hidden_layers for i in source):
+        raise ValueError(f"init_layers must name {num_layers} of the target's {target.config.num_hidden_layers} layers")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in source]
+    config.fuzzyspec_shares = list(SHARED)
+    config.tie_word_embeddings = False
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
+    decoder, target_decoder = draft.get_decoder(), target.get_decoder()
+    for mine, theirs in zip(decoder.layers, source):
+        mine.load_state_dict(target_decoder.layers[theirs].state_dict())
+    decoder.norm.load_state_dict(target_decoder.norm.state_dict())
+    _share(draft, target)
+    return draft
+
+
+def _share(draft: PreTrainedModel, target: PreTrainedModel) -> None:
+    draft.set_input_embeddings(target.get_input_embeddings())
+    draft.set_output_embeddings(target.get_output_embeddings())
+
+
+def own_weights(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The draft's stored weights: everything but the shared embedding and LM head."""
+    return {k: v for k, v in draft.state_dict().items()
+            if not any(part in k for part in SHARED) and "rotary_emb" not in k}
+
+
+def save_draft_lm(draft: PreTrainedModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(draft.config)
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.to_json_file(folder / "config.json")
+    weights = {k: v.detach().to(dtype).contiguous() for k, v in own_weights(draft).items()}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def load_draft_lm(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
+    """Load a shared-weight draft saved by ``save_draft_lm`` for ``target``."""
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(folder)
+    if config.hidden_size != target.config.hidden_size or config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft at {folder} was made for another target "
+                         f"(hidden {config.hidden_size}, vocab {config.vocab_size})")
+    config._attn_implementation = target.config._attn_implementation
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(config)
+    weights = load_file(folder / "model.safetensors")
+    draft.load_state_dict({k: v.to(target.device, target.dtype) for k, v in weights.items()}, strict=False,
+                          assign=True)
+    _share(draft, target)
+    rotary = draft.get_decoder().rotary_emb  # its buffers were made on the meta device: rebuild them
+    draft.get_decoder().rotary_emb = type(rotary)(config=config).to(target.device)
+    missing = [name for name, p in draft.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the draft at {folder} lacks weights: {', '.join(missing[:3])}")
+    return draft.eval()

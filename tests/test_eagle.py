@@ -1,0 +1,101 @@
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from conftest import tiny_llama
+from fuzzyspec.decoding import DecodeConfig, decode
+from fuzzyspec.eagle import EagleDrafter, EagleHead, load_head
+from fuzzyspec.sampling import Sampling
+
+V = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=V, layers=2, seed=2)
+
+
+@pytest.fixture(scope="module")
+def head(model):
+    torch.manual_seed(3)
+    return EagleHead.for_target(model).eval()
+
+
+def features_of(model, tokens):
+    with torch.no_grad():
+        return model(tokens, output_hidden_states=True).hidden_states[-1]
+
+
+def test_cached_forward_equals_full_forward(model, head):
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5]])
+    f, e = features_of(model, tokens), model.get_input_embeddings()(tokens)
+    with torch.no_grad():
+        full = head(e[:, 1:], f[:, :-1])
+        cache = DynamicCache()
+        parts = [head(e[:, 1:4], f[:, :3], cache), head(e[:, 4:5], f[:, 3:4], cache), head(e[:, 5:], f[:, 4:-1], cache)]
+    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
+
+
+def test_release_layout_round_trip(model, head, tmp_path):
+    head.save(tmp_path)
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= keys
+    assert not any("input_layernorm" in k or "embed" in k or "rotary" in k for k in keys)
+    # An official release may come as pytorch_model.bin, with the target's embedding inside.
+    official = tmp_path / "official"
+    official.mkdir()
+    (official / "config.json").write_text((tmp_path / "config.json").read_text())
+    weights = dict(load_file(tmp_path / "model.safetensors"))
+    weights["embed_tokens.weight"] = torch.zeros(V, model.config.hidden_size)
+    torch.save(weights, official / "pytorch_model.bin")
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    f, e = features_of(model, tokens), model.get_input_embeddings()(tokens)
+    with torch.no_grad():
+        expected = head(e[:, 1:], f[:, :-1])
+        for folder in (tmp_path, official):
+            assert torch.equal(load_head(folder, model)(e[:, 1:], f[:, :-1]), expected)
+
+
+def test_wrong_target_is_refused(head, tmp_path):
+    head.save(tmp_path)
+    with pytest.raises(ValueError, match="hidden size"):
+        load_head(tmp_path, tiny_llama(vocab_size=V, hidden=64))
+    with pytest.raises(ValueError, match="config.json"):
+        load_head(tmp_path / "nothing", tiny_llama(vocab_size=V))
+
+
+@pytest.mark.parametrize("method", ["sd", "fsd"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_match_a_recomputation_from_true_features(model, head, method, temperature):
+    """At every step, the first draft's logits equal the head run from scratch on the target's
+    true features of the accepted sequence: the head's cache keeps exactly what stays valid."""
+    drafter = EagleDrafter(head, model, V)
+    original = drafter.propose
+    checked = []
+
+    def checking(sequence, num, sampling, generator):
+        proposal = original(sequence, num, sampling, generator)
+        if not checked and drafter.features is None:  # the first pass: no target features yet
+            assert proposal.tokens.shape[1] == 0
+            checked.append(0)
+            return proposal
+        f = features_of(model, sequence[:, :-1])
+        with torch.no_grad():
+            e = model.get_input_embeddings()(sequence[:, 1:])
+            expected = model.get_output_embeddings()(head(e, f)[:, -1])
+        assert torch.allclose(proposal.logits[:, 0], expected, atol=1e-4)
+        checked.append(proposal.tokens.shape[1])
+        return proposal
+
+    drafter.propose = checking
+    config = DecodeConfig(method=method, threshold=0.3, gamma=4, max_new_tokens=30, seed=0,
+                          sampling=Sampling(temperature=temperature))
+    tokens, stats = decode(model, drafter, torch.tensor([[5, 6, 7, 8]]), config, V)
+    # propose is skipped only on a last step with room for one token
+    assert stats.target_forwards - 1 <= len(checked) <= stats.target_forwards
+    assert checked[0] == 0 and sum(checked) == stats.proposed
+    if method == "sd" and temperature == 0:
+        assert tokens[0].tolist() == model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=30,
+                                                    do_sample=False)[0, 4:].tolist()
