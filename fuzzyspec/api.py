@@ -10,15 +10,14 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .decoding import DecodeConfig, decode
-from .drafters import ModelDrafter
+from .drafters import Drafter, ModelDrafter
+from .eagle import EagleDrafter, EagleHead
 from .loading import load_draft, load_model, shared_vocab_size
 from .sampling import Sampling
 from .stats import Stats
 from .text import TextStream
 
-# Until the project ships a trained draft, the default draft is the target's own
-# first layers: honest, free, and weak (see the README).
-DEFAULT_DRAFT = "self:8"
+DEFAULT_DRAFT = "default"  # the draft LM shipped for the embedded target
 SAMPLING_KEYS = {f.name for f in dataclasses.fields(Sampling)}
 
 
@@ -55,21 +54,32 @@ class ModelPair:
     """A target model, its tokenizer and an optional draft model sharing its vocabulary."""
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 draft: PreTrainedModel | None = None) -> None:
+                 draft: PreTrainedModel | EagleHead | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.draft = draft
-        self.vocab_size = shared_vocab_size(target, draft, tokenizer)
+        self.vocab_size = shared_vocab_size(target, None if isinstance(draft, EagleHead) else draft, tokenizer)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = DEFAULT_DRAFT,
              dtype: str = "auto", device: str = "cpu") -> "ModelPair":
-        """Load by name (see ``loading.load_model``); ``target=None`` is the embedded
-        SmolLM2-135M-Instruct; ``draft=None`` loads no draft (AR only); ``self:N`` drafts
-        with the target's first N layers."""
+        """Load by name (see ``loading.load_model`` and ``loading.load_draft``). ``target=None`` is
+        the embedded SmolLM2-135M-Instruct; ``draft="default"`` the draft LM shipped for it,
+        ``"eagle"`` the EAGLE head shipped for it, ``None`` no draft (AR only)."""
         target_model, tokenizer = load_model(target, dtype, device)
-        draft_model = None if draft is None else load_draft(draft, target_model, tokenizer, dtype, device)
+        draft_model = None if draft is None else load_draft(
+            None if draft == DEFAULT_DRAFT else draft, target_model, tokenizer, target, dtype, device)
         return cls(target_model, tokenizer, draft_model)
+
+    def drafter(self, config: DecodeConfig) -> Drafter | None:
+        """A fresh drafter for one call: none for AR, an EAGLE drafter for a head, else a model drafter."""
+        if config.method == "ar":
+            return None
+        if self.draft is None:
+            raise ValueError(f"method {config.method!r} needs a draft model")
+        if isinstance(self.draft, EagleHead):
+            return EagleDrafter(self.draft, self.target, self.vocab_size, config.draft_confidence)
+        return ModelDrafter(self.draft, self.vocab_size, config.draft_confidence)
 
     def encode(self, prompt: str | Sequence[dict], chat: bool = True) -> Tensor:
         """Token ids [1, L] of a prompt: a string, or chat messages; chat templates apply when ``chat``."""
@@ -96,11 +106,7 @@ class ModelPair:
         elif options:
             raise ValueError("pass either config or keyword options, not both")
         input_ids = prompt if isinstance(prompt, Tensor) else self.encode(prompt, chat)
-        drafter = None
-        if config.method != "ar":
-            if self.draft is None:
-                raise ValueError(f"method {config.method!r} needs a draft model")
-            drafter = ModelDrafter(self.draft, self.vocab_size, config.draft_confidence)
+        drafter = self.drafter(config)
         stream = TextStream(self.tokenizer, stop)
 
         def on_tokens(new: Tensor) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -12,6 +13,7 @@ from transformers.utils import logging as transformers_logging
 from .api import DEFAULT_DRAFT, ModelPair, make_config
 from .decoding import METHODS, SCHEDULES
 from .divergences import ALIASES, NAMES
+from .train import KINDS, TrainConfig, train
 
 
 class UsageError(Exception):
@@ -42,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--target", default=None,
                         help="HF id, folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     models.add_argument("--draft", default=DEFAULT_DRAFT,
-                        help=f"HF id, folder, .gguf file, or self:N for the target's first N layers "
-                             f"(default: {DEFAULT_DRAFT})")
+                        help="the drafter: 'default' (the draft LM shipped for the embedded target), 'eagle' "
+                             "(the EAGLE head shipped for it), eagle:DIR (any EAGLE head), self:N (the target's "
+                             "first N layers), or a draft model: HF id, folder or .gguf file")
     models.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     models.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread over all GPUs)")
     rule = gen.add_argument_group("decoding")
@@ -70,6 +73,28 @@ def build_parser() -> argparse.ArgumentParser:
                       help="wrap the prompt in the chat template (default)")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the prompt as raw text")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    train = commands.add_parser("train", help="train a drafter for a target on ShareGPT")
+    train.add_argument("kind", choices=KINDS, help="eagle: an EAGLE head; draft: a small draft LM")
+    train.add_argument("--out", required=True, help="output folder (a run there is resumed)")
+    train.add_argument("--target", default=None, help="HF id, folder or .gguf file (default: embedded)")
+    train.add_argument("--device", default="cpu")
+    train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                       help="the target's dtype (trained weights stay float32)")
+    defaults = TrainConfig(kind="eagle", out="")
+    for flag, help_text in [("max-tokens", "cut conversations to this many tokens"),
+                            ("limit", "use only the first N training conversations"),
+                            ("batch-size", "sequences per step"), ("lr", "peak learning rate"),
+                            ("warmup-steps", "linear warm-up steps"), ("epochs", "passes over the data"),
+                            ("budget-minutes", "stop (saving everything) after this much wall time"),
+                            ("seed", "random seed"), ("init", "start from this saved drafter of the same kind"), ("eval-sequences", "held-out sequences to evaluate"),
+                            ("layers", "draft LM: decoder layers"), ("noise", "EAGLE: feature noise"),
+                            ("regression-weight", "EAGLE: weight of the feature loss"),
+                            ("ce-weight", "EAGLE: weight of the token loss")]:
+        field = flag.replace("-", "_")
+        default = getattr(defaults, field)
+        kind = float if isinstance(default, float) or field == "budget_minutes" else str if field == "init" else int
+        train.add_argument(f"--{flag}", type=kind, default=default, help=f"{help_text} (default: {default})")
     return parser
 
 
@@ -101,11 +126,18 @@ def _generate(args: argparse.Namespace) -> None:
           f"{stats.mean_accepted or 0:.2f} tokens per target pass, acceptance {rate}", file=sys.stderr)
 
 
+def _train(args: argparse.Namespace) -> None:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    metrics = train(config)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "config"}))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()
     try:
         args = build_parser().parse_args(argv)
-        _generate(args)
+        _train(args) if args.command == "train" else _generate(args)
     except (UsageError, ValueError) as error:
         print(f"fuzzyspec: error: {error}", file=sys.stderr)
         return 2

@@ -10,9 +10,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .draftlm import is_shared_draft, load_draft_lm
+from .eagle import EagleHead, load_head
+
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SELF_DRAFT_PREFIX = "self:"
+EAGLE_PREFIX = "eagle:"
+SHIPPED = Path(__file__).parent / "weights" / EMBEDDED
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -56,9 +61,13 @@ def embedded_gguf() -> Path:
 def embedded_folder() -> Path:
     """The embedded target as a transformers folder, converted from its GGUF once (about 15 s)."""
     folder = cache_dir() / EMBEDDED
-    if (folder / "config.json").exists():
-        return folder
-    gguf = embedded_gguf()
+    if not (folder / "config.json").exists():
+        convert_gguf(embedded_gguf(), folder)
+    return folder
+
+
+def convert_gguf(gguf: Path, folder: Path) -> None:
+    """Dequantize a GGUF file into a transformers folder (float32 safetensors and tokenizer)."""
     print(f"fuzzyspec: converting {gguf.name} once into {folder} ...", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -78,7 +87,6 @@ def embedded_folder() -> Path:
         partial.rename(folder)
     except OSError:  # another process finished first
         shutil.rmtree(partial, ignore_errors=True)
-    return folder
 
 
 def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
@@ -148,14 +156,42 @@ def self_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     return draft.eval()
 
 
-def load_draft(name: str, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
-               dtype: str = "auto", device: str = "cpu") -> PreTrainedModel:
-    """Load a draft by name, or make a self draft from ``self:N``; check the vocabularies agree."""
+def shipped(kind: str) -> Path:
+    """The folder of a drafter the project trained and ships for the embedded target (``draft`` or ``eagle``)."""
+    return SHIPPED / kind
+
+
+def load_draft(name: str | None, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
+               target_name: str | None = None, dtype: str = "auto", device: str = "cpu"
+               ) -> PreTrainedModel | EagleHead:
+    """Load a drafter by name.
+
+    ``None``: the draft LM shipped for the embedded target (only when it is the target);
+    ``eagle``: the EAGLE head shipped for it; ``eagle:DIR``: any EAGLE head (ours or an official
+    EAGLE-1/2 release); ``self:N``: the target's first N layers; otherwise a draft model (HF id,
+    folder, ``.gguf`` file, or a folder saved by ``fuzzyspec train draft``), whose vocabulary
+    must be the target's.
+    """
+    embedded = target_name in (None, EMBEDDED)
+    if name is None or name == "eagle":
+        if not embedded:
+            raise LoadError("the shipped drafters are for the embedded target only: pass --draft for this target")
+        folder = shipped("eagle" if name == "eagle" else "draft")
+        if not (folder / "config.json").is_file():
+            raise LoadError(f"the shipped drafter is missing from {folder}: reinstall fuzzyspec")
+        return load_head(folder, target) if name == "eagle" else load_draft_lm(folder, target)
+    if name.startswith(EAGLE_PREFIX):
+        folder = Path(name[len(EAGLE_PREFIX):]).expanduser()
+        if not folder.is_dir():
+            raise LoadError(f"EAGLE head folder not found: {folder}")
+        return load_head(folder, target)
     if name.startswith(SELF_DRAFT_PREFIX):
         count = name[len(SELF_DRAFT_PREFIX):]
         if not count.isdigit():
             raise LoadError(f"a self draft is written self:N with N a number of layers, got {name!r}")
         return self_draft(target, int(count))
+    if is_shared_draft(name):
+        return load_draft_lm(name, target)
     draft, draft_tokenizer = load_model(name, dtype, device)
     check_vocabularies(target_tokenizer, draft_tokenizer)
     shared_vocab_size(target, draft, target_tokenizer)

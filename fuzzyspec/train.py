@@ -9,6 +9,9 @@ outputs are the labels, so the draft learns what the target would say there.
   weights 1.0 and 0.1).
 - Draft LM: loss = KL(p_target || p_draft) at every position.
 
+The learning rate warms up linearly, then follows a cosine to a tenth of its
+peak over the run (its steps, or its time budget if that ends first).
+
 Runs are seeded and resumable: ``checkpoint.pt`` in the output folder holds the
 step, weights, optimizer and random state, and a new run with the same folder
 goes on from there. ``budget_minutes`` stops a run (saving everything) after
@@ -33,8 +36,8 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from .data import TokenDataset, cached_token_dataset
-from .draftlm import make_draft_lm, own_weights, save_draft_lm
-from .eagle import EagleHead
+from .draftlm import load_draft_lm, make_draft_lm, own_weights, save_draft_lm
+from .eagle import EagleHead, load_head
 from .loading import load_model
 
 KINDS = ("eagle", "draft")
@@ -58,6 +61,7 @@ class TrainConfig:
     seed: int = 0
     eval_sequences: int = 64
     checkpoint_minutes: float = 5.0
+    init: str | None = None  # start from this saved drafter (same kind) instead of from scratch
     layers: int = 2  # draft LM: decoder layers, copied from the target's first ones
     noise: float = 0.1  # EAGLE: uniform noise on input features
     regression_weight: float = 1.0
@@ -225,6 +229,10 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
         eval_data = TokenDataset.from_sequences(eval_data[i] for i in range(config.eval_sequences))
 
     objective = EagleObjective(target, config) if config.kind == "eagle" else DraftObjective(target, config)
+    if config.init:
+        saved = load_head(config.init, target) if config.kind == "eagle" else load_draft_lm(config.init, target)
+        weights = saved.state_dict() if config.kind == "eagle" else own_weights(saved)
+        objective.model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
     params = [p for p in objective.model.parameters() if p.requires_grad and p.dtype == torch.float32]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     steps_per_epoch = len(train_data) // config.batch_size
@@ -268,8 +276,12 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
             if time.perf_counter() - start >= budget_s:
                 stopped_by_budget = True
                 break
+            # Linear warm-up, then cosine decay to a tenth over the run: its steps or its time budget,
+            # whichever ends first, so a budgeted run still anneals.
+            progress = max(step / total_steps, (time.perf_counter() - start) / budget_s)
+            decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
             for group in optimizer.param_groups:
-                group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps)
+                group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) * decay
             tokens, lengths = tokens.to(target.device), lengths.to(target.device)
             with autocast:
                 loss, agreement = objective.loss(tokens, lengths)

@@ -88,6 +88,11 @@ def test_resume_and_budget(tmp_path, corpus, target_model):
     stopped = train(TrainConfig(**{**config.__dict__, "out": str(tmp_path / "b"), "budget_minutes": 1e-9}),
                     train_data, eval_data, target=target_model, progress=False)
     assert stopped["steps"] == 0 and not stopped["finished"]
+    # Starting from a saved drafter: with a vanishing learning rate, it scores as the saved one did.
+    again = train(TrainConfig(**{**config.__dict__, "out": str(tmp_path / "c"), "epochs": 0.1, "lr": 1e-12,
+                                 "init": str(tmp_path / "run")}), train_data, eval_data, target=target_model,
+                  progress=False)
+    assert again["held_out_top1_agreement"] == pytest.approx(second["held_out_top1_agreement"], abs=0.02)
 
 
 def test_bad_config():
