@@ -7,7 +7,7 @@ implementing those.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -54,14 +54,34 @@ def common_prefix(a: Tensor, b: Tensor) -> int:
     return int(same.cumprod(0).sum())
 
 
+def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], num: int, sampling: Sampling,
+                generator: torch.Generator | None, min_confidence: float = 0.0) -> Proposal:
+    """Draft up to ``num`` tokens one after another: pick a token from ``logits`` ([B, V]), then
+    ``advance(token)`` ([B, 1]) gives the next logits (it is not called after the last token).
+
+    With ``min_confidence > 0`` drafting stops before a token whose distribution's top
+    probability is below it; the first token is always kept, so a proposal is never empty.
+    """
+    tokens, all_logits, all_probs = [], [], []
+    for i in range(num):
+        probs = sampling.probs(logits)
+        if tokens and min_confidence and probs.max() < min_confidence:
+            break
+        token = sampling.pick(logits, probs, generator).unsqueeze(1)
+        tokens.append(token)
+        all_logits.append(logits)
+        all_probs.append(probs)
+        if i + 1 < num:
+            logits = advance(token)
+    return Proposal(torch.cat(tokens, 1), torch.stack(all_logits, 1), torch.stack(all_probs, 1))
+
+
 class ModelDrafter:
     """A small causal LM sharing the target's vocabulary, drafting autoregressively.
 
     Its KV cache survives between steps: at each ``propose`` it is cropped back to
     the longest prefix it shares with the accepted sequence and only the new tokens
-    are fed, so the prompt is never recomputed. With ``min_confidence > 0`` drafting
-    stops early when the draft's top probability falls below it (adaptive length);
-    the unsure token is dropped, except the first, so a proposal is never empty.
+    are fed, so the prompt is never recomputed. ``min_confidence``: see ``draft_chain``.
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, min_confidence: float = 0.0) -> None:
@@ -83,19 +103,17 @@ class ModelDrafter:
         kept = 0 if self.cached is None else common_prefix(self.cached, sequence)
         kept = min(kept, sequence.shape[1] - 1)  # always feed at least one token
         crop_to(self.cache, kept)
-        feed = sequence[:, kept:]
-        tokens, logits, probs = [], [], []
-        for _ in range(num):
+        fed: list[Tensor] = []  # drafted tokens fed to the model (all but the last, unless drafting stopped early)
+
+        def forward(feed: Tensor) -> Tensor:
             out = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             self.forwards += 1
-            step_logits = out.logits[:, -1, : self.vocab_size]
-            step_probs = sampling.probs(step_logits)
-            if tokens and self.min_confidence and step_probs.max() < self.min_confidence:
-                break
-            feed = sampling.pick(step_logits, step_probs, generator).unsqueeze(1)
-            tokens.append(feed)
-            logits.append(step_logits)
-            probs.append(step_probs)
-        # Every kept token but the last has been fed; the last is fed next time if accepted.
-        self.cached = torch.cat([sequence, *tokens[:-1]], 1)
-        return Proposal(torch.cat(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1))
+            return out.logits[:, -1, : self.vocab_size]
+
+        def advance(token: Tensor) -> Tensor:
+            fed.append(token)
+            return forward(token)
+
+        proposal = draft_chain(forward(sequence[:, kept:]), advance, num, sampling, generator, self.min_confidence)
+        self.cached = torch.cat([sequence, *fed], 1)
+        return proposal

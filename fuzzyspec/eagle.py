@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from .drafters import Proposal, common_prefix
+from .drafters import Proposal, common_prefix, draft_chain
 from .kvcache import crop_to
 from .sampling import Sampling
 
@@ -161,17 +161,14 @@ class EagleDrafter:
         hidden = self.head(embeds, self.features[:, kept:count].to(embeds.dtype), self.cache)[:, -1:]
         self.forwards += 1
         self.true_positions, self.tokens = count, sequence
-        tokens, logits, probs = [], [], []
-        for i in range(num):
-            step_logits = self.lm_head(hidden[:, -1]).float()[:, : self.vocab_size]
-            step_probs = sampling.probs(step_logits)
-            if tokens and self.min_confidence and step_probs.max() < self.min_confidence:
-                break
-            token = sampling.pick(step_logits, step_probs, generator).unsqueeze(1)
-            tokens.append(token)
-            logits.append(step_logits)
-            probs.append(step_probs)
-            if i + 1 < num:
-                hidden = self.head(self.embed(token), hidden, self.cache)
-                self.forwards += 1
-        return Proposal(torch.cat(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1))
+
+        def advance(token: Tensor) -> Tensor:
+            nonlocal hidden
+            hidden = self.head(self.embed(token), hidden, self.cache)
+            self.forwards += 1
+            return self._logits(hidden)
+
+        return draft_chain(self._logits(hidden), advance, num, sampling, generator, self.min_confidence)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden[:, -1]).float()[:, : self.vocab_size]
