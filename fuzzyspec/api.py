@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .decoding import DecodeConfig, decode
 from .drafters import Drafter, ModelDrafter
-from .eagle import EagleDrafter, EagleHead
+from .eagle import EagleDrafter, EagleHead, EagleTreeDrafter
 from .loading import load_draft, load_model, shared_vocab_size
 from .sampling import Sampling
 from .stats import Stats
@@ -78,7 +78,12 @@ class ModelPair:
         if self.draft is None:
             raise ValueError(f"method {config.method!r} needs a draft model")
         if isinstance(self.draft, EagleHead):
+            if config.tree:
+                return EagleTreeDrafter(self.draft, self.target, self.vocab_size, config.tree_total_tokens,
+                                        config.tree_depth, config.tree_top_k)
             return EagleDrafter(self.draft, self.target, self.vocab_size, config.draft_confidence)
+        if config.tree:
+            raise ValueError("tree drafting needs an EAGLE head as the draft (--draft eagle or eagle:DIR)")
         return ModelDrafter(self.draft, self.vocab_size, config.draft_confidence)
 
     def encode(self, prompt: str | Sequence[dict], chat: bool = True) -> Tensor:

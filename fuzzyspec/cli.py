@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     rule.add_argument("--gamma-schedule", default="constant", choices=SCHEDULES)
     rule.add_argument("--draft-confidence", type=float, default=0.0,
                       help="stop drafting when the draft's top probability falls below this")
+    rule.add_argument("--tree", action="store_true",
+                      help="draft EAGLE-2 dynamic trees instead of chains (needs an EAGLE head as --draft)")
+    rule.add_argument("--tree-total-tokens", type=int, default=16, help="nodes kept per tree (default: 16)")
+    rule.add_argument("--tree-depth", type=int, default=5, help="tree depth (default: 5)")
+    rule.add_argument("--tree-top-k", type=int, default=4, help="children per expanded node and nodes expanded "
+                                                                  "per level (default: 4)")
     rule.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     rule.add_argument("--top-k", type=int, default=0, help="0 = off")
     rule.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -87,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                             ("batch-size", "sequences per step"), ("lr", "peak learning rate"),
                             ("warmup-steps", "linear warm-up steps"), ("epochs", "passes over the data"),
                             ("budget-minutes", "stop (saving everything) after this much wall time"),
-                            ("seed", "random seed"), ("init", "start from this saved drafter of the same kind"), ("eval-sequences", "held-out sequences to evaluate"),
+                            ("seed", "random seed"), ("init", "start from this saved drafter of the same kind"),
+                            ("eval-sequences", "held-out sequences to evaluate"),
                             ("layers", "draft LM: decoder layers"), ("noise", "EAGLE: feature noise"),
                             ("regression-weight", "EAGLE: weight of the feature loss"),
                             ("ce-weight", "EAGLE: weight of the token loss")]:
@@ -105,7 +112,8 @@ def _generate(args: argparse.Namespace) -> None:
                    raw_divergence=args.raw_divergence, divergence_top_k=args.divergence_top_k,
                    divergence_top_p=args.divergence_top_p, gamma=args.gamma, gamma_schedule=args.gamma_schedule,
                    draft_confidence=args.draft_confidence, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens)
+                   top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, tree=args.tree,
+                   tree_total_tokens=args.tree_total_tokens, tree_depth=args.tree_depth, tree_top_k=args.tree_top_k)
     make_config(**options)  # validate before spending time on loading models
     pair = ModelPair.load(args.target, None if args.method == "ar" else args.draft, args.dtype, args.device)
 

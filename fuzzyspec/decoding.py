@@ -24,6 +24,8 @@ from .kvcache import crop_to
 from .rules import FUZZY, RULES
 from .sampling import Sampling, raw_probs
 from .stats import Stats
+from .tree_rules import walk
+from .trees import TreeProposal, keep_path, tree_inputs
 
 METHODS = ("ar", "sd", "fsd", "fsd-hybrid")
 SCHEDULES = ("constant", "heuristic")
@@ -57,6 +59,10 @@ class DecodeConfig:
     max_new_tokens: int = 128
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    tree: bool = False  # EAGLE-2 draft trees instead of chains (EAGLE heads only)
+    tree_total_tokens: int = 16
+    tree_depth: int = 5
+    tree_top_k: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -72,24 +78,94 @@ class DecodeConfig:
             raise ValueError(f"threshold must be a number >= 0 (inf allowed), got {self.threshold}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("tree_total_tokens", "tree_depth", "tree_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def draft_only(self) -> bool:
-        """FSD with T = inf accepts every draft: the target has nothing to decide."""
-        return self.method == "fsd" and self.threshold == math.inf
+        """FSD with T = inf accepts every drafted chain: the target has nothing to decide.
+        (In a tree the target still picks which child to follow.)"""
+        return self.method == "fsd" and self.threshold == math.inf and not self.tree
 
 
 Callback = Callable[[Tensor], bool]
 
 
-def _divergences(config: DecodeConfig, logits: Tensor, p: Tensor, proposal: Proposal) -> Tensor:
-    """D(p_i, q_i) at each drafted position, on processed or (``raw_divergence``) raw distributions."""
-    k = proposal.tokens.shape[1]
+def _divergences(config: DecodeConfig, target_logits: Tensor, p: Tensor, draft_logits: Tensor, q: Tensor) -> Tensor:
+    """D(p, q) row by row, on the processed distributions or (``raw_divergence``) the raw ones."""
     if config.raw_divergence:
-        p, q = raw_probs(logits[:, :k]), raw_probs(proposal.logits)
-    else:
-        p, q = p[:, :k], proposal.probs
+        p, q = raw_probs(target_logits), raw_probs(draft_logits)
     return divergence(p, q, config.divergence, top_k=config.divergence_top_k, top_p=config.divergence_top_p)
+
+
+@dataclass
+class _Step:
+    """What one verification yields: the new tokens ([1, m]) and what the statistics record."""
+
+    new: Tensor
+    proposed: int
+    accepted: int
+    d: Tensor | None
+    accept_s: float  # time in the divergence and the rule (the acceptance step)
+
+
+def _chain_step(target: torch.nn.Module, cache: DynamicCache, sequence: Tensor, proposal: Proposal,
+                config: DecodeConfig, vocab_size: int, generator: torch.Generator, drafter: Drafter | None,
+                wants_features: bool) -> _Step:
+    """Verify a chain of drafts in one target pass; keep the accepted ones in the cache."""
+    drafts, sampling = proposal.tokens, config.sampling
+    k = drafts.shape[1]
+    # Feed what the cache lacks (the whole prompt at first, then the newest token) and the drafts.
+    cached = cache.get_seq_length()
+    out = target(input_ids=torch.cat([sequence[:, cached:], drafts], 1), past_key_values=cache, use_cache=True,
+                 logits_to_keep=k + 1, output_hidden_states=wants_features)
+    logits = out.logits[..., :vocab_size]
+    start = time.perf_counter()
+    p = sampling.probs(logits)
+    d = (_divergences(config, logits[:, :k], p[:, :k], proposal.logits, proposal.probs)
+         if config.method in FUZZY else None)
+    rule = RULES["sd" if config.method == "ar" else config.method]
+    accepted, next_token = rule(drafts, p, proposal.probs, d, config.threshold, sampling.greedy, generator)
+    n = int(accepted[0])
+    accept_s = time.perf_counter() - start
+    crop_to(cache, sequence.shape[1] + n)  # keep the accepted drafts; next_token is fed next step
+    if wants_features:  # the target's features of every fed token that stays
+        drafter.observe(cached, out.hidden_states[-1][:, : sequence.shape[1] - cached + n])
+    return _Step(torch.cat([drafts[:, :n], next_token.view(1, 1)], 1), k, n, d, accept_s)
+
+
+def _tree_step(target: torch.nn.Module, cache: DynamicCache, sequence: Tensor, proposal: TreeProposal,
+               config: DecodeConfig, vocab_size: int, generator: torch.Generator, drafter: Drafter,
+               wants_features: bool) -> _Step:
+    """Verify a draft tree in one target pass; keep the accepted path in the cache."""
+    sampling, tree = config.sampling, proposal.tree
+    cached = cache.get_seq_length()
+    feed = sequence[:, cached:]
+    m = feed.shape[1]
+    mask, positions = tree_inputs(tree, cached, m)
+    out = target(input_ids=torch.cat([feed, tree.tokens[None]], 1), attention_mask=mask, position_ids=positions,
+                 past_key_values=cache, use_cache=True, logits_to_keep=len(tree) + 1,
+                 output_hidden_states=wants_features)
+    logits = out.logits[0, :, :vocab_size]  # row 0: the root, row i + 1: node i
+    start = time.perf_counter()
+    p = sampling.probs(logits)
+    expanded = proposal.q.sum(-1) > 0  # rows with drafted children: only there is D defined
+    d = None
+    if config.method in FUZZY:
+        d = torch.full((len(tree) + 1,), math.inf, device=p.device)
+        d[expanded] = _divergences(config, logits[expanded], p[expanded], proposal.logits[expanded],
+                                   proposal.q[expanded])
+    path, token = walk(config.method, tree, p, proposal.q, d, config.threshold, sampling.greedy, generator)
+    accept_s = time.perf_counter() - start
+    keep_path(cache, cached + m, path)
+    if wants_features:
+        hidden = out.hidden_states[-1]
+        path_rows = torch.tensor(path, dtype=torch.long, device=hidden.device) + m
+        drafter.observe(cached, torch.cat([hidden[:, :m], hidden[:, path_rows]], 1))
+    new = torch.cat([tree.tokens[path], torch.tensor([token], device=tree.tokens.device)])[None]
+    # A tree step can accept at most its depth: that is what "proposed" counts for trees.
+    return _Step(new, int(tree.depth.max()), len(path), d[expanded][None] if d is not None else None, accept_s)
 
 
 @torch.inference_mode()
@@ -109,8 +185,9 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
         raise ValueError(f"method {config.method!r} needs a draft model")
     if config.method == "ar":
         drafter = None
-    rule = RULES["sd" if config.method == "ar" else config.method]
-    fuzzy = config.method in FUZZY
+    trees = config.tree and drafter is not None
+    if trees and not getattr(drafter, "drafts_trees", False):
+        raise ValueError("tree drafting needs an EAGLE head as the drafter")
     sampling = config.sampling
     generator = torch.Generator(device=input_ids.device)
     if config.seed is None:
@@ -132,31 +209,22 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
             new = drafter.propose(sequence, min(gamma, remaining), sampling, generator).tokens
             stats.record_step(new.shape[1], new.shape[1], None)
         else:
-            # At most remaining - 1 drafts: the step adds one target token after them.
-            num = min(gamma, remaining - 1) if drafter is not None else 0
-            proposal = drafter.propose(sequence, num, sampling, generator) if num else no_drafts
-            drafts = proposal.tokens
-            k = drafts.shape[1]
-            # Feed what the cache lacks (the whole prompt at first, then the newest token) and the drafts.
-            cached = cache.get_seq_length()
-            feed = torch.cat([sequence[:, cached:], drafts], 1)
-            out = target(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=k + 1,
-                         output_hidden_states=wants_features)
-            logits = out.logits[..., :vocab_size]
+            tree = drafter.propose_tree(sequence, sampling) if trees else None
+            if tree is not None:
+                step = _tree_step(target, cache, sequence, tree, config, vocab_size, generator, drafter,
+                                  wants_features)
+            else:
+                # At most remaining - 1 drafts: the step adds one target token after them.
+                num = min(gamma, remaining - 1) if drafter is not None else 0
+                proposal = drafter.propose(sequence, num, sampling, generator) if num else no_drafts
+                step = _chain_step(target, cache, sequence, proposal, config, vocab_size, generator, drafter,
+                                   wants_features)
+            stats.accept_s += step.accept_s
             stats.target_forwards += 1
-            rule_start = time.perf_counter()
-            p = sampling.probs(logits)
-            d = _divergences(config, logits, p, proposal) if fuzzy else None
-            accepted, next_token = rule(drafts, p, proposal.probs, d, config.threshold, sampling.greedy, generator)
-            n = int(accepted[0])
-            stats.accept_s += time.perf_counter() - rule_start
-            crop_to(cache, sequence.shape[1] + n)  # keep the accepted drafts; next_token is fed next step
-            if wants_features:  # the target's features of every fed token that stays
-                drafter.observe(cached, out.hidden_states[-1][:, : sequence.shape[1] - cached + n])
-            new = torch.cat([drafts[:, :n], next_token.view(1, 1)], 1)
-            stats.record_step(k, n, d)
-            if config.gamma_schedule == "heuristic" and k:
-                gamma = gamma + 2 if n == k else max(1, gamma - 1)
+            stats.record_step(step.proposed, step.accepted, step.d)
+            new = step.new
+            if config.gamma_schedule == "heuristic" and tree is None and step.proposed:
+                gamma = gamma + 2 if step.accepted == step.proposed else max(1, gamma - 1)
 
         new = new[:, :remaining]
         done = False

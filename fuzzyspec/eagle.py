@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from transformers.masking_utils import create_causal_mask
 from .drafters import Proposal, common_prefix, draft_chain
 from .kvcache import crop_to
 from .sampling import Sampling
+from .trees import Tree, TreeProposal
 
 _MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
 
@@ -66,14 +68,20 @@ class EagleHead(nn.Module):
         head = cls(config or head_config(target.config), type(decoder.layers[0]), type(decoder.rotary_emb))
         return head.to(target.device)
 
-    def forward(self, embeds: Tensor, features: Tensor, cache: DynamicCache | None = None) -> Tensor:
-        """embeds, features: [B, T, H] for positions past, ..., past + T - 1 -> predicted features [B, T, H]."""
+    def forward(self, embeds: Tensor, features: Tensor, cache: DynamicCache | None = None,
+                mask: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """embeds, features: [B, T, H] -> predicted features [B, T, H]. By default the T inputs
+        sit at positions past .. past + T - 1 after the cache, causally; a draft tree passes its own
+        4D ``mask`` (True: may attend) and ``positions`` ([B, T])."""
         hidden = self.fc(torch.cat([embeds, features], -1))
         past = cache.get_seq_length() if cache is not None else 0
-        positions = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        extra = {"cache_position": positions[0]} if _MASK_TAKES_CACHE_POSITION else {}
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=cache, position_ids=positions, **extra)
+        if positions is None:
+            positions = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        extra = {"cache_position": torch.arange(past, past + hidden.shape[1], device=hidden.device)} \
+            if _MASK_TAKES_CACHE_POSITION else {}
+        if mask is None:
+            mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                      past_key_values=cache, position_ids=positions, **extra)
         return self.layers[0](hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
                               use_cache=cache is not None, position_embeddings=self.rotary_emb(hidden, positions),
                               **extra)
@@ -151,6 +159,19 @@ class EagleDrafter:
                 generator: torch.Generator | None) -> Proposal:
         if num < 1 or self.features is None:
             return Proposal.empty(sequence.shape[0], self.vocab_size, sequence.device)
+        hidden = self._root(sequence)
+
+        def advance(token: Tensor) -> Tensor:
+            nonlocal hidden
+            hidden = self.head(self.embed(token), hidden, self.cache)
+            self.forwards += 1
+            return self._logits(hidden)
+
+        return draft_chain(self._logits(hidden), advance, num, sampling, generator, self.min_confidence)
+
+    def _root(self, sequence: Tensor) -> Tensor:
+        """Bring the head's cache up to date with the true features; return the predicted feature
+        ([1, 1, H]) of the newest token, whose logits give the first draft."""
         # Head position j reads token j + 1 and feature j: positions 0 .. F - 1, with F <= len - 1.
         count = min(self.features.shape[1], sequence.shape[1] - 1)
         if self.tokens is not None:
@@ -161,14 +182,107 @@ class EagleDrafter:
         hidden = self.head(embeds, self.features[:, kept:count].to(embeds.dtype), self.cache)[:, -1:]
         self.forwards += 1
         self.true_positions, self.tokens = count, sequence
-
-        def advance(token: Tensor) -> Tensor:
-            nonlocal hidden
-            hidden = self.head(self.embed(token), hidden, self.cache)
-            self.forwards += 1
-            return self._logits(hidden)
-
-        return draft_chain(self._logits(hidden), advance, num, sampling, generator, self.min_confidence)
+        return hidden
 
     def _logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden[:, -1]).float()[:, : self.vocab_size]
+
+
+class EagleTreeDrafter(EagleDrafter):
+    """EAGLE-2's context-aware dynamic draft tree (Li et al. 2024).
+
+    From the root, the ``top_k`` most likely tokens under the head become children.
+    Then for ``depth - 1`` more levels the ``top_k`` frontier nodes of highest
+    confidence (the product of draft probabilities along the path) are expanded,
+    each into its own ``top_k`` children, in one head pass per level with tree
+    attention. Finally all drafted nodes are reranked by confidence and the best
+    ``total_tokens`` kept (a child is never more confident than its parent, so
+    the kept set holds its ancestors). EAGLE-2's published setting is
+    total_tokens 60, depth 6, top_k 10.
+    """
+
+    drafts_trees = True
+
+    def __init__(self, head: EagleHead, target: PreTrainedModel, vocab_size: int,
+                 total_tokens: int = 16, depth: int = 5, top_k: int = 4) -> None:
+        super().__init__(head, target, vocab_size)
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+
+    @torch.inference_mode()
+    def propose_tree(self, sequence: Tensor, sampling: Sampling) -> TreeProposal | None:
+        """A draft tree after ``sequence``, or None before the target has produced features."""
+        if self.features is None:
+            return None
+        root_hidden = self._root(sequence)
+        base = self.cache.get_seq_length()  # head positions from true features; tree nodes go after them
+        root_logits = self._logits(root_hidden)[0]
+        root_q = sampling.probs(root_logits)
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []  # log confidence of each node
+        depths: list[int] = []
+        node_q: dict[int, tuple[Tensor, Tensor]] = {}  # expanded node -> (its logits, its q)
+
+        def add_children(parent: int, probs: Tensor, depth: int) -> list[int]:
+            values, ids = probs.topk(min(self.top_k, probs.shape[-1]))
+            added = []
+            for value, token in zip(values.tolist(), ids.tolist()):
+                if value <= 0:
+                    break
+                added.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                scores.append((scores[parent] if parent >= 0 else 0.0) + math.log(value))
+                depths.append(depth)
+            return added
+
+        frontier = add_children(-1, root_q, 1)
+        hidden_of = {-1: root_hidden[0, -1]}
+        in_cache: list[int] = []  # expanded nodes, in head cache order after ``base``
+        for level in range(2, self.depth + 1):
+            expand = sorted(frontier, key=lambda node: -scores[node])[: self.top_k]
+            if not expand:
+                break
+            mask = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool,
+                               device=sequence.device)
+            mask[:, :base] = True
+            slot = {node: base + i for i, node in enumerate(in_cache)}
+            for row, node in enumerate(expand):
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    mask[row, slot[ancestor]] = True
+                    ancestor = parents[ancestor]
+                mask[row, base + len(in_cache) + row] = True
+            positions = torch.tensor([[base - 1 + depths[node] for node in expand]], device=sequence.device)
+            embeds = self.embed(torch.tensor([[tokens[node] for node in expand]], device=sequence.device))
+            features = torch.stack([hidden_of[parents[node]] for node in expand])[None]
+            hidden = self.head(embeds, features, self.cache, mask=mask[None, None], positions=positions)
+            self.forwards += 1
+            in_cache += expand
+            logits = self.lm_head(hidden[0]).float()[:, : self.vocab_size]
+            probs = sampling.probs(logits)
+            frontier = []
+            for row, node in enumerate(expand):
+                hidden_of[node] = hidden[0, row]
+                node_q[node] = (logits[row], probs[row])
+                frontier += add_children(node, probs[row], level)
+        crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
+
+        kept = sorted(range(len(tokens)), key=lambda node: -scores[node])[: self.total_tokens]
+        kept_set = set(kept)
+        for node in list(kept):  # ties aside a child never outranks its parent; make sure anyway
+            while parents[node] >= 0 and parents[node] not in kept_set:
+                node = parents[node]
+                kept_set.add(node)
+        order = sorted(kept_set, key=lambda node: (depths[node], -scores[node]))
+        new_index = {node: i for i, node in enumerate(order)}
+        tree = Tree(tokens=torch.tensor([tokens[node] for node in order], device=sequence.device),
+                    parents=torch.tensor([new_index.get(parents[node], -1) for node in order],
+                                         device=sequence.device))
+        q = torch.zeros(len(order) + 1, root_q.shape[-1], device=root_q.device)
+        logits = torch.zeros_like(q)
+        q[0], logits[0] = root_q, root_logits
+        for node in order:
+            if node in node_q:
+                logits[new_index[node] + 1], q[new_index[node] + 1] = node_q[node]
+        return TreeProposal(tree, q, logits)

@@ -161,9 +161,9 @@ class DraftObjective:
     def __init__(self, target: PreTrainedModel, config: TrainConfig) -> None:
         self.target, self.config = target, config
         self.model = make_draft_lm(target, config.layers)
-        for name, weight in self.model.named_parameters():
-            is_shared = weight is target.get_input_embeddings().weight or weight is target.get_output_embeddings().weight
-            if not is_shared:
+        shared = {id(target.get_input_embeddings().weight), id(target.get_output_embeddings().weight)}
+        for weight in self.model.parameters():
+            if id(weight) not in shared:  # trained weights in float32; the shared ones stay frozen as they are
                 weight.data = weight.data.float()
 
     def _logits(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

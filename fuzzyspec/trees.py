@@ -57,6 +57,16 @@ class Tree:
         return path[::-1]
 
 
+@dataclass
+class TreeProposal:
+    """``tree``: the drafted nodes; ``q`` [n + 1, V]: the draft distribution at the root (row 0)
+    and at each node (row i + 1; zeros for nodes that were not expanded)."""
+
+    tree: Tree
+    q: Tensor
+    logits: Tensor  # [n + 1, V] the draft's raw logits behind q (zeros where q is)
+
+
 def tree_inputs(tree: Tree, cached: int, feed_len: int, dtype: torch.dtype = torch.bool
                 ) -> tuple[Tensor, Tensor]:
     """The 4D attention mask [1, 1, q, cached + q] (True: may attend) and position ids [1, q] for

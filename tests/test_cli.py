@@ -26,6 +26,7 @@ def fails_cleanly(capsys, argv, *fragments):
     (["--method", "beam"], ["invalid choice"]),
     (["--temperature", "-1"], ["temperature must be >= 0"]),
     (["--top-p", "0"], ["top_p must be in (0, 1]"]),
+    (["--tree-depth", "0"], ["tree_depth must be >= 1"]),
 ])
 def test_bad_options(capsys, argv, fragments):
     fails_cleanly(capsys, ["generate", "hello", *argv], *fragments)
@@ -50,6 +51,11 @@ def test_vocabulary_mismatch(capsys, tiny_dirs):
                   "vocabularies differ")
     fails_cleanly(capsys, ["generate", "hi", "--target", tiny_dirs["target"], "--draft", tiny_dirs["short_logits"]],
                   "do not share a vocabulary")
+
+
+def test_trees_need_an_eagle_head(capsys, tiny_dirs):
+    fails_cleanly(capsys, ["generate", "hi", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--tree"],
+                  "tree drafting needs an EAGLE head")
 
 
 def test_bad_self_draft(capsys, tiny_dirs):

@@ -99,3 +99,40 @@ def test_drafts_match_a_recomputation_from_true_features(model, head, method, te
     if method == "sd" and temperature == 0:
         assert tokens[0].tolist() == model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=30,
                                                     do_sample=False)[0, 4:].tolist()
+
+
+def tree_run(model, head, prompt, **options):
+    from fuzzyspec.eagle import EagleTreeDrafter
+    config = DecodeConfig(tree=True, **options)
+    drafter = EagleTreeDrafter(head, model, V, config.tree_total_tokens, config.tree_depth, config.tree_top_k)
+    return decode(model, drafter, torch.tensor([prompt]), config, V)
+
+
+@pytest.mark.parametrize("shape", [dict(tree_total_tokens=8, tree_depth=3, tree_top_k=2),
+                                   dict(tree_total_tokens=30, tree_depth=6, tree_top_k=5)])
+def test_greedy_tree_decoding_is_the_targets_greedy_output(model, head, shape):
+    prompt = [5, 6, 7, 8, 1]
+    tokens, stats = tree_run(model, head, prompt, method="sd", max_new_tokens=40, **shape)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):]
+    assert tokens[0].tolist() == expected.tolist()
+    assert stats.target_forwards < 40  # the random head's trees still hit the target's argmax sometimes
+
+
+def test_tree_thresholds(model, head):
+    prompt = [2, 4, 6]
+    ar, _ = tree_run(model, head, prompt, method="fsd", threshold=0.0, max_new_tokens=20, seed=1,
+                     sampling=Sampling(temperature=1.0))
+    plain = decode(model, None, torch.tensor([prompt]), DecodeConfig(method="ar", max_new_tokens=20, seed=1,
+                                                                    sampling=Sampling(temperature=1.0)), V)[0]
+    assert ar.tolist() == plain.tolist()  # T = 0: FSD accepts nothing and samples p at the root, as AR
+    _, loose = tree_run(model, head, prompt, method="fsd", threshold=float("inf"), max_new_tokens=40,
+                        tree_depth=4)
+    # T = inf follows the tree to a leaf at every step: each step after the first (which has no
+    # target features to draft from yet) accepts at least one node.
+    assert loose.accepted >= loose.target_forwards - 1 and loose.mean_accepted > 2
+    for seed in range(3):
+        exact = tree_run(model, head, prompt, method="sd", max_new_tokens=30, seed=seed,
+                         sampling=Sampling(temperature=1.0))[0]
+        hybrid = tree_run(model, head, prompt, method="fsd-hybrid", threshold=0.0, max_new_tokens=30, seed=seed,
+                          sampling=Sampling(temperature=1.0))[0]
+        assert exact.tolist() == hybrid.tolist()

@@ -58,9 +58,20 @@ def test_shipped_drafters_reach_their_documented_acceptance(draft):
     assert mean_accepted >= 0.85 * DOCUMENTED_MEAN_ACCEPTED[draft]
 
 
-def test_cli_with_the_shipped_eagle_head(capsys):
+@pytest.mark.parametrize("tree", [[], ["--tree"]])
+def test_cli_with_the_shipped_eagle_head(capsys, tree):
     argv = ["generate", "Name a primary colour.", "--draft", "eagle", "--method", "fsd", "--json",
-            "--max-new-tokens", "16"]
+            "--max-new-tokens", "16", *tree]
     assert main(argv) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["new_tokens"] >= 1 and stats["draft_forwards"] >= 1
+
+
+def test_greedy_eagle2_trees_equal_hf_generate(pair32):
+    from fuzzyspec.loading import load_draft
+    pair = ModelPair(pair32.target, pair32.tokenizer, load_draft("eagle", pair32.target, pair32.tokenizer))
+    ids = pair.encode("Name three colours.")
+    expected = pair.target.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    result = pair.generate(ids, method="sd", tree=True, max_new_tokens=24)
+    assert result.tokens == expected
+    assert result.stats.mean_accepted > 1.5
