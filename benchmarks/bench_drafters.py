@@ -18,8 +18,8 @@ the generated text (lower = more what the target itself would say; AR's greedy
 text sets the baseline).
 
 Usage: python benchmarks/bench_drafters.py [--prompts 50] [--max-new-tokens 128] [--gamma 5]
-           [--thresholds 0.3] [--divergence js] [--trees] [--tree-total-tokens 16] [--tree-depth 5]
-           [--tree-top-k 4] [--no-chains] [--threads 2] [--json PATH]
+           [--thresholds 0.3] [--tree-thresholds T,...] [--divergence js] [--trees]
+           [--tree-total-tokens 16] [--tree-depth 5] [--tree-top-k 4] [--no-chains] [--threads 2] [--json PATH]
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--thresholds", default="0.3", help="comma-separated FSD thresholds ('' for none)")
+    parser.add_argument("--tree-thresholds", default=None, help="FSD thresholds for trees (default: --thresholds)")
     parser.add_argument("--divergence", default="js")
     parser.add_argument("--trees", action="store_true", help="add EAGLE-2 tree configurations")
     parser.add_argument("--no-chains", action="store_true", help="leave out the chain configurations")
@@ -74,11 +75,14 @@ def main() -> None:
     thresholds = [float(t) for t in args.thresholds.split(",") if t]
     tree = dict(tree=True, tree_total_tokens=args.tree_total_tokens, tree_depth=args.tree_depth,
                 tree_top_k=args.tree_top_k)
-    families = [] if args.no_chains else [("draft LM", draft_lm, {}), ("EAGLE head", eagle, {})]
+    tree_thresholds = thresholds if args.tree_thresholds is None else \
+        [float(t) for t in args.tree_thresholds.split(",") if t]
+    families = [] if args.no_chains else [("draft LM", draft_lm, {}, thresholds), ("EAGLE head", eagle, {}, thresholds)]
     if args.trees:
-        families.append((f"EAGLE-2 tree {args.tree_total_tokens}/{args.tree_depth}/{args.tree_top_k}", eagle, tree))
+        families.append((f"EAGLE-2 tree {args.tree_total_tokens}/{args.tree_depth}/{args.tree_top_k}", eagle, tree,
+                         tree_thresholds))
     configs = [("AR", draft_lm, dict(method="ar"))]
-    for name, pair, extra in families:
+    for name, pair, extra, thresholds in families:
         configs.append((f"{name} sd", pair, dict(method="sd", **extra)))
         configs += [(f"{name} fsd {args.divergence} T={t}", pair,
                      dict(method="fsd", divergence=args.divergence, threshold=t, **extra)) for t in thresholds]

@@ -45,10 +45,18 @@ def kl_qp(p: Tensor, q: Tensor) -> Tensor:
     return kl(q, p)
 
 
+def _entropy(a: Tensor) -> Tensor:
+    return torch.special.entr(a).sum(-1)
+
+
 def js(p: Tensor, q: Tensor) -> Tensor:
-    """Jensen-Shannon: 0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2; in [0, ln 2]."""
+    """Jensen-Shannon: 0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2; in [0, ln 2].
+
+    Computed as H(m) - (H(p) + H(q)) / 2 (H the entropy), the same quantity with
+    half the work: this runs once per drafted token.
+    """
     m = 0.5 * (p + q)
-    return (0.5 * (kl(p, m) + kl(q, m))).clamp(0, math.log(2))
+    return (_entropy(m) - 0.5 * (_entropy(p) + _entropy(q))).clamp(0, math.log(2))
 
 
 def js_legacy(p: Tensor, q: Tensor) -> Tensor:
