@@ -18,7 +18,7 @@ the generated text (lower = more what the target itself would say; AR's greedy
 text sets the baseline).
 
 Usage: python benchmarks/bench_drafters.py [--prompts 50] [--max-new-tokens 128] [--gamma 5]
-           [--thresholds 0.3] [--tree-thresholds T,...] [--divergence js] [--trees]
+           [--thresholds 0.3] [--tree-thresholds T,...] [--divergence js] [--fuzzy-rule fsd] [--trees]
            [--tree-total-tokens 16] [--tree-depth 5] [--tree-top-k 4] [--no-chains] [--threads 2] [--json PATH]
 """
 from __future__ import annotations
@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.3", help="comma-separated FSD thresholds ('' for none)")
     parser.add_argument("--tree-thresholds", default=None, help="FSD thresholds for trees (default: --thresholds)")
     parser.add_argument("--divergence", default="js")
+    parser.add_argument("--fuzzy-rule", default="fsd", choices=["fsd", "fsd-hybrid"],
+                        help="the rule run at each threshold (default: fsd)")
     parser.add_argument("--trees", action="store_true", help="add EAGLE-2 tree configurations")
     parser.add_argument("--no-chains", action="store_true", help="leave out the chain configurations")
     parser.add_argument("--tree-total-tokens", type=int, default=16)
@@ -84,8 +86,9 @@ def main() -> None:
     configs = [("AR", draft_lm, dict(method="ar"))]
     for name, pair, extra, thresholds in families:
         configs.append((f"{name} sd", pair, dict(method="sd", **extra)))
-        configs += [(f"{name} fsd {args.divergence} T={t}", pair,
-                     dict(method="fsd", divergence=args.divergence, threshold=t, **extra)) for t in thresholds]
+        configs += [(f"{name} {args.fuzzy_rule} {args.divergence} T={t}", pair,
+                     dict(method=args.fuzzy_rule, divergence=args.divergence, threshold=t, **extra))
+                    for t in thresholds]
     totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "prefix": 0.0, "nll": 0.0} for name, _, _ in configs}
     common = dict(gamma=args.gamma, max_new_tokens=args.max_new_tokens, eos_token_ids=())
 
