@@ -265,39 +265,45 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
     # Trained weights stay float32; matrix products run in the target's low precision when it has one.
     autocast = torch.autocast(target.device.type, dtype=target.dtype, enabled=target.dtype != torch.float32)
     objective.model.train()
-    while step < total_steps:
-        epoch, skip = divmod(step, steps_per_epoch)
-        for tokens, lengths in padded_batches(train_data, config.batch_size, config.seed, epoch):
-            if skip:
-                skip -= 1
-                continue
-            if step >= total_steps:
+    try:
+        while step < total_steps:
+            epoch, skip = divmod(step, steps_per_epoch)
+            for tokens, lengths in padded_batches(train_data, config.batch_size, config.seed, epoch):
+                if skip:
+                    skip -= 1
+                    continue
+                if step >= total_steps:
+                    break
+                if time.perf_counter() - start >= budget_s:
+                    stopped_by_budget = True
+                    break
+                # Linear warm-up, then cosine decay to a tenth over the run: its steps or its time budget,
+                # whichever ends first, so a budgeted run still anneals.
+                progress = max(step / total_steps, (time.perf_counter() - start) / budget_s)
+                decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+                for group in optimizer.param_groups:
+                    group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) * decay
+                tokens, lengths = tokens.to(target.device), lengths.to(target.device)
+                with autocast:
+                    loss, agreement = objective.loss(tokens, lengths)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, config.clip)
+                optimizer.step()
+                step += 1
+                trained_tokens += int(lengths.sum())
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agreement:.2f}")
+                if time.perf_counter() - last_save >= config.checkpoint_minutes * 60:
+                    save_checkpoint()
+                    last_save = time.perf_counter()
+            if stopped_by_budget:
                 break
-            if time.perf_counter() - start >= budget_s:
-                stopped_by_budget = True
-                break
-            # Linear warm-up, then cosine decay to a tenth over the run: its steps or its time budget,
-            # whichever ends first, so a budgeted run still anneals.
-            progress = max(step / total_steps, (time.perf_counter() - start) / budget_s)
-            decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-            for group in optimizer.param_groups:
-                group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) * decay
-            tokens, lengths = tokens.to(target.device), lengths.to(target.device)
-            with autocast:
-                loss, agreement = objective.loss(tokens, lengths)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, config.clip)
-            optimizer.step()
-            step += 1
-            trained_tokens += int(lengths.sum())
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agreement:.2f}")
-            if time.perf_counter() - last_save >= config.checkpoint_minutes * 60:
-                save_checkpoint()
-                last_save = time.perf_counter()
-        if stopped_by_budget:
-            break
+    except KeyboardInterrupt:  # keep what was trained: rerunning the same command resumes from here
+        bar.close()
+        save_checkpoint()
+        print(f"fuzzyspec: interrupted at step {step}; checkpoint saved in {checkpoint}", file=sys.stderr)
+        raise
     bar.close()
     objective.model.eval()
     save_checkpoint()

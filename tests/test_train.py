@@ -100,3 +100,23 @@ def test_bad_config():
         TrainConfig(kind="medusa", out="x")
     with pytest.raises(ValueError):
         TrainConfig(kind="eagle", out="x", batch_size=0)
+
+
+def test_interrupt_keeps_a_resumable_checkpoint(tmp_path, corpus, target_model, monkeypatch):
+    import fuzzyspec.train as module
+    train_data, eval_data = corpus
+    original, calls = module.EagleObjective.loss, []
+
+    def interrupted(self, tokens, lengths):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return original(self, tokens, lengths)
+
+    monkeypatch.setattr(module.EagleObjective, "loss", interrupted)
+    config = TrainConfig(kind="eagle", out=str(tmp_path / "run"), epochs=1, batch_size=8, eval_sequences=8)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, train_data, eval_data, target=target_model, progress=False)
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 3
+    monkeypatch.setattr(module.EagleObjective, "loss", original)
+    assert train(config, train_data, eval_data, target=target_model, progress=False)["steps"] == 10
