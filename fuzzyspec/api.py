@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .decoding import DecodeConfig, decode
 from .drafters import Drafter, ModelDrafter
 from .eagle import EagleDrafter, EagleHead, EagleTreeDrafter
+from .hf import eos_token_ids
 from .loading import load_draft, load_model, shared_vocab_size
 from .sampling import Sampling
 from .stats import Stats
@@ -39,11 +40,11 @@ def make_config(**options: Any) -> DecodeConfig:
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    """The model's generation-config EOS ids and the tokenizer's EOS token."""
+    ids = set(eos_token_ids(model.generation_config))
     if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(sorted(set(ids)))
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
 
 
 def input_device(model: PreTrainedModel) -> torch.device:

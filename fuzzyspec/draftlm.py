@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 SHARED = ("embed_tokens", "lm_head")
 
@@ -24,16 +24,22 @@ def is_shared_draft(folder: str | Path) -> bool:
     return config.is_file() and "fuzzyspec_shares" in json.loads(config.read_text())
 
 
+def cut_layers(config: PretrainedConfig, layers: list[int]) -> PretrainedConfig:
+    """A copy of a model's config keeping only the decoder layers numbered ``layers``."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+    return config
+
+
 def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[int] | None = None) -> PreTrainedModel:
     """A draft with ``num_layers`` layers copied from the target (its first ones, or ``init_layers``),
     a copy of its final norm, and the target's own embedding and LM head (shared, frozen)."""
     source = init_layers if init_layers is not None else list(range(num_layers))
     if len(source) != num_layers or not all(0 <= i < target.config.num_hidden_layers for i in source):
         raise ValueError(f"init_layers must name {num_layers} of the target's {target.config.num_hidden_layers} layers")
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[i] for i in source]
+    config = cut_layers(target.config, source)
     config.fuzzyspec_shares = list(SHARED)
     config.tie_word_embeddings = False
     draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)

@@ -18,7 +18,6 @@ for ``fc``) and weights ``fc.*`` and ``layers.0.*`` in ``model.safetensors``
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import math
@@ -30,6 +29,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
+from .draftlm import cut_layers
 from .drafters import Proposal, common_prefix, draft_chain
 from .kvcache import crop_to
 from .sampling import Sampling
@@ -40,10 +40,7 @@ _MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal
 
 def head_config(target_config: PretrainedConfig, bias: bool = True) -> PretrainedConfig:
     """The target's config cut to one layer: the config a head for that target is saved with."""
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = 1
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1]
+    config = cut_layers(target_config, [0])
     config.bias = bias
     config.architectures = ["LlamaForCausalLM"] if config.model_type == "llama" else config.architectures
     return config

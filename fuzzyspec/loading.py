@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .draftlm import is_shared_draft, load_draft_lm
+from .draftlm import cut_layers, is_shared_draft, load_draft_lm
 from .eagle import EagleHead, load_head
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -141,10 +141,7 @@ def self_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     layers = target.model.layers
     if not 1 <= num_layers < len(layers):
         raise LoadError(f"a self draft needs between 1 and {len(layers) - 1} layers, got {num_layers}")
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:num_layers]
+    config = cut_layers(target.config, list(range(num_layers)))
     with torch.device("meta"):
         draft = type(target)(config)
     draft.model.embed_tokens = target.model.embed_tokens

@@ -87,12 +87,16 @@ def padded_batches(dataset: TokenDataset, batch_size: int, seed: int, epoch: int
     """
     order = np.random.default_rng(seed + epoch).permutation(len(dataset))
     for start in range(0, len(order) - batch_size + 1, batch_size):
-        rows = [dataset[int(i)] for i in order[start:start + batch_size]]
-        lengths = torch.tensor([len(r) for r in rows])
-        tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
-        for b, row in enumerate(rows):
-            tokens[b, : len(row)] = torch.from_numpy(row.astype(np.int64))
-        yield tokens, lengths
+        yield _pad([dataset[int(i)] for i in order[start:start + batch_size]])
+
+
+def _pad(rows: list[np.ndarray]) -> tuple[Tensor, Tensor]:
+    """Token rows -> (tokens [B, T] right-padded with 0, lengths [B])."""
+    lengths = torch.tensor([len(r) for r in rows])
+    tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)] = torch.from_numpy(row.astype(np.int64))
+    return tokens, lengths
 
 
 def _valid(lengths: Tensor, width: int, shift: int = 0) -> Tensor:
@@ -197,11 +201,7 @@ def evaluate(objective, dataset: TokenDataset, batch_size: int, autocast: torch.
     """Held-out top-1 agreement over the whole of ``dataset``, weighted by positions."""
     matched = total = 0.0
     for start in range(0, len(dataset), batch_size):
-        rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        lengths = torch.tensor([len(r) for r in rows])
-        tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
-        for b, row in enumerate(rows):
-            tokens[b, : len(row)] = torch.from_numpy(row.astype(np.int64))
+        tokens, lengths = _pad([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         with autocast:
             rate, count = objective.agreement(tokens.to(objective.target.device), lengths.to(objective.target.device))
         matched += rate * count
