@@ -6,14 +6,26 @@ import dataclasses
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from transformers.utils import logging as transformers_logging
 
-from .api import DEFAULT_DRAFT, ModelPair, make_config
+from .api import DEFAULT_DRAFT, ModelPair, eos_ids, make_config
+from .bench import Settings, Sweep, plan
+from .calibrate import calibrate_pair, check_request
 from .decoding import METHODS, SCHEDULES
-from .divergences import ALIASES, NAMES
+from .divergences import ALIASES, NAMES, canonical_name
+from .loading import cache_dir
+from .rules import FUZZY
+from .tasks import TASKS, get_task
 from .train import KINDS, TrainConfig, train
+
+CALIBRATION_PROMPTS = 8     # generate --target-acceptance: held-out prompts in the sample
+CALIBRATION_TOKENS = 64     # and tokens decoded per prompt
+CALIBRATED_DIVERGENCES = "js,js_legacy,kl_pq,kl_qp,tv,hellinger"
+BENCH_ACCEPTANCE = "0.3,0.5,0.7,0.9"
+SETTINGS_FIELDS = {f.name for f in dataclasses.fields(Settings)}
 
 
 class UsageError(Exception):
@@ -35,25 +47,34 @@ def _threshold(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fuzzyspec", description="Fuzzy speculative decoding for Hugging Face causal LMs.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    gen = commands.add_parser("generate", help="generate text for a prompt")
-    gen.add_argument("prompt", help="the prompt (a user message when --chat)")
-    models = gen.add_argument_group("models")
+def _floats(text: str) -> list[float]:
+    try:
+        return [_threshold(t) for t in text.split(",") if t.strip()]
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"in {text!r}: {error}") from None
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _add_models(parser: argparse.ArgumentParser, draft: bool = True) -> None:
+    models = parser.add_argument_group("models")
     models.add_argument("--target", default=None,
                         help="HF id, folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    models.add_argument("--draft", default=DEFAULT_DRAFT,
-                        help="the drafter: 'default' (the draft LM shipped for the embedded target), 'eagle' "
-                             "(the EAGLE head shipped for it), eagle:DIR (any EAGLE head), self:N (the target's "
-                             "first N layers), or a draft model: HF id, folder or .gguf file")
+    if draft:
+        models.add_argument("--draft", default=DEFAULT_DRAFT,
+                            help="the drafter: 'default' (the draft LM shipped for the embedded target), 'eagle' "
+                                 "(the EAGLE head shipped for it), eagle:DIR (any EAGLE head), self:N (the "
+                                 "target's first N layers), or a draft model: HF id, folder or .gguf file")
     models.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     models.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread over all GPUs)")
-    rule = gen.add_argument_group("decoding")
-    rule.add_argument("--method", default="fsd", choices=METHODS)
-    rule.add_argument("--divergence", default="js", metavar="NAME",
-                      help=f"one of: {', '.join(NAMES)}; aliases: {', '.join(ALIASES)} (default: js)")
-    rule.add_argument("--threshold", type=_threshold, default=0.3, help="T of the fuzzy rules (default: 0.3)")
+
+
+def _add_decoding(parser: argparse.ArgumentParser, max_new_tokens: int, seed: int | None, tree: bool = True
+                  ) -> argparse._ArgumentGroup:
+    """Options shared by generate, calibrate and bench: drafting, trees, sampling, length."""
+    rule = parser.add_argument_group("decoding")
     rule.add_argument("--raw-divergence", action="store_true",
                       help="compute D on unprocessed distributions, as the FSD reference code did")
     rule.add_argument("--divergence-top-k", type=int, default=50, help="k of the topk_* divergences")
@@ -62,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     rule.add_argument("--gamma-schedule", default="constant", choices=SCHEDULES)
     rule.add_argument("--draft-confidence", type=float, default=0.0,
                       help="stop drafting when the draft's top probability falls below this")
-    rule.add_argument("--tree", action="store_true",
-                      help="draft EAGLE-2 dynamic trees instead of chains (needs an EAGLE head as --draft)")
+    if tree:  # bench names trees per method instead (eagle+tree)
+        rule.add_argument("--tree", action="store_true",
+                          help="draft EAGLE-2 dynamic trees instead of chains (needs an EAGLE head as --draft)")
     rule.add_argument("--tree-total-tokens", type=int, default=16, help="nodes kept per tree (default: 16)")
     rule.add_argument("--tree-depth", type=int, default=5, help="tree depth (default: 5)")
     rule.add_argument("--tree-top-k", type=int, default=4, help="children per expanded node and nodes expanded "
@@ -71,14 +93,74 @@ def build_parser() -> argparse.ArgumentParser:
     rule.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     rule.add_argument("--top-k", type=int, default=0, help="0 = off")
     rule.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    rule.add_argument("--seed", type=int, default=None)
-    rule.add_argument("--max-new-tokens", type=int, default=128)
+    rule.add_argument("--seed", type=int, default=seed, help=f"random seed (default: {seed})")
+    rule.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                      help=f"(default: {max_new_tokens})")
+    return rule
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fuzzyspec", description="Fuzzy speculative decoding for Hugging Face causal LMs.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    divergence_help = f"one of: {', '.join(NAMES)}; aliases: {', '.join(ALIASES)}"
+
+    gen = commands.add_parser("generate", help="generate text for a prompt")
+    gen.add_argument("prompt", help="the prompt (a user message when --chat)")
+    _add_models(gen)
+    rule = _add_decoding(gen, max_new_tokens=128, seed=None)
+    rule.add_argument("--method", default="fsd", choices=METHODS)
+    rule.add_argument("--divergence", default="js", metavar="NAME", help=f"{divergence_help} (default: js)")
+    threshold = rule.add_mutually_exclusive_group()
+    threshold.add_argument("--threshold", type=_threshold, default=None, help="T of the fuzzy rules (default: 0.3)")
+    threshold.add_argument("--target-acceptance", type=float, default=None, metavar="A",
+                           help="instead of T: calibrate T so that a fraction A of drafts is accepted (on "
+                                f"{CALIBRATION_PROMPTS} held-out ShareGPT prompts; remembered in the cache)")
     rule.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat = gen.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=True,
                       help="wrap the prompt in the chat template (default)")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the prompt as raw text")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    cal = commands.add_parser("calibrate", help="print the threshold that yields a requested acceptance rate")
+    _add_models(cal)
+    rule = _add_decoding(cal, max_new_tokens=64, seed=0)
+    rule.add_argument("--method", default="fsd", choices=FUZZY)
+    rule.add_argument("--divergences", type=_names, default=_names(CALIBRATED_DIVERGENCES),
+                      help=f"comma-separated ({divergence_help}; default: {CALIBRATED_DIVERGENCES})")
+    wanted = cal.add_mutually_exclusive_group(required=True)
+    wanted.add_argument("--acceptance", type=float, help="the fraction of drafted tokens to accept, in (0, 1)")
+    wanted.add_argument("--mean-accepted", type=float,
+                        help="the tokens per target pass to reach, in (1, gamma + 1)")
+    cal.add_argument("--task", default="freeform", help="whose prompts to sample (default: freeform, held-out "
+                                                        "ShareGPT); any bench task or a task file")
+    cal.add_argument("--data", default=None, help="the task's JSONL file (free-form: rows with 'prompt')")
+    cal.add_argument("--prompts", type=int, default=16, help="prompts in the sample (default: 16)")
+    cal.add_argument("--json", action="store_true", help="print one JSON object per divergence")
+
+    bench = commands.add_parser("bench", help="sweep rules, divergences and thresholds on a task: CSV, JSON, PNG")
+    bench.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)}, or a .py file defining a Task")
+    bench.add_argument("--data", default=None, help="the task's local JSONL file (default: the task's own source)")
+    bench.add_argument("--limit", type=int, default=None, help="only the first N examples")
+    bench.add_argument("--out", required=True, help="the sweep folder (a sweep there is resumed)")
+    _add_models(bench, draft=False)
+    grid = bench.add_argument_group("sweep")
+    grid.add_argument("--methods", type=_names, default=["ar", DEFAULT_DRAFT],
+                      help="comma-separated: ar and drafters as --draft names them ('default', 'eagle', "
+                           "eagle:DIR, self:N, a model); append +tree for EAGLE-2 trees, e.g. eagle+tree "
+                           "(default: ar,default)")
+    grid.add_argument("--rules", type=_names, default=["sd", "fsd"], help="comma-separated: sd, fsd, fsd-hybrid "
+                                                                          "(default: sd,fsd)")
+    grid.add_argument("--divergences", type=_names, default=["js"], help="comma-separated (default: js)")
+    values = grid.add_mutually_exclusive_group()
+    values.add_argument("--thresholds", type=_floats, default=None, help="comma-separated T values")
+    values.add_argument("--target-acceptance", type=_floats, default=None,
+                        help="comma-separated acceptance rates; T is calibrated for each (default: "
+                             f"{BENCH_ACCEPTANCE} when no --thresholds)")
+    grid.add_argument("--calibration-prompts", type=int, default=8,
+                      help="examples used to calibrate T (default: 8)")
+    _add_decoding(bench, max_new_tokens=256, seed=0, tree=False)
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
 
     train = commands.add_parser("train", help="train a drafter for a target on ShareGPT")
     train.add_argument("kind", choices=KINDS, help="eagle: an EAGLE head; draft: a small draft LM")
@@ -105,17 +187,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DECODING_FLAGS = ("raw_divergence", "divergence_top_k", "divergence_top_p", "gamma", "gamma_schedule",
+                  "draft_confidence", "tree_total_tokens", "tree_depth", "tree_top_k", "temperature", "top_k",
+                  "top_p", "seed", "max_new_tokens")
+
+
+def _decoding(args: argparse.Namespace, **extra: object) -> dict:
+    """DecodeConfig options from the shared flags, validated before any model loads."""
+    options = {k: getattr(args, k) for k in DECODING_FLAGS} | {"tree": getattr(args, "tree", False)} | extra
+    make_config(**options)
+    return options
+
+
+def _calibrated_threshold(pair: ModelPair, options: dict, target: str | None, draft: str,
+                          acceptance: float) -> float:
+    """T for ``generate --target-acceptance``: calibrated once per setting on held-out ShareGPT
+    prompts, then read from the cache."""
+    config = make_config(**(options | {"max_new_tokens": CALIBRATION_TOKENS, "seed": 0, "threshold": 0.0,
+                                       "eos_token_ids": eos_ids(pair.target, pair.tokenizer)}))
+    key = json.dumps({"target": target, "draft": draft, "acceptance": acceptance, "prompts": CALIBRATION_PROMPTS,
+                      "config": repr(config)})
+    path = cache_dir() / "calibrations.json"
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in known:
+        prompts = [e.prompt for e in get_task("freeform").examples(CALIBRATION_PROMPTS)]
+        calibration = calibrate_pair(pair, config, "acceptance", acceptance, prompts)
+        known[key] = calibration.to_dict()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1) + "\n")
+    found = known[key]
+    print(f"[calibrated] {options['divergence']} T={found['threshold']:.4g}: acceptance {found['acceptance']:.3f} "
+          f"on {CALIBRATION_PROMPTS} held-out prompts (asked {acceptance})", file=sys.stderr)
+    return found["threshold"]
+
+
 def _generate(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
-    options = dict(method=args.method, divergence=args.divergence, threshold=args.threshold,
-                   raw_divergence=args.raw_divergence, divergence_top_k=args.divergence_top_k,
-                   divergence_top_p=args.divergence_top_p, gamma=args.gamma, gamma_schedule=args.gamma_schedule,
-                   draft_confidence=args.draft_confidence, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, tree=args.tree,
-                   tree_total_tokens=args.tree_total_tokens, tree_depth=args.tree_depth, tree_top_k=args.tree_top_k)
-    make_config(**options)  # validate before spending time on loading models
+    if args.target_acceptance is not None:
+        if args.method not in FUZZY:
+            raise UsageError(f"--target-acceptance needs a fuzzy method (fsd or fsd-hybrid), not {args.method}")
+        check_request("acceptance", args.target_acceptance, args.gamma)
+    options = _decoding(args, method=args.method, divergence=args.divergence,
+                        threshold=0.3 if args.threshold is None else args.threshold)
     pair = ModelPair.load(args.target, None if args.method == "ar" else args.draft, args.dtype, args.device)
+    if args.target_acceptance is not None:
+        options["threshold"] = _calibrated_threshold(pair, options, args.target, args.draft, args.target_acceptance)
 
     def show(delta: str) -> None:
         sys.stdout.write(delta)
@@ -125,13 +242,70 @@ def _generate(args: argparse.Namespace) -> None:
                            **options)
     stats = result.stats
     if args.json:
-        print(json.dumps({"text": result.text, "method": args.method, "finish_reason": result.finish_reason,
-                          "stats": stats.to_dict()}))
+        print(json.dumps({"text": result.text, "method": args.method, "threshold": options["threshold"],
+                          "finish_reason": result.finish_reason, "stats": stats.to_dict()}))
         return
     print()
     rate = "-" if stats.acceptance_rate is None else f"{stats.acceptance_rate:.2f}"
     print(f"[{args.method}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s ({stats.tokens_per_s:.1f} tokens/s), "
           f"{stats.mean_accepted or 0:.2f} tokens per target pass, acceptance {rate}", file=sys.stderr)
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    objective, value = ("acceptance", args.acceptance) if args.acceptance is not None else \
+        ("mean_accepted", args.mean_accepted)
+    check_request(objective, value, args.gamma)
+    if args.prompts < 1:
+        raise UsageError(f"--prompts must be >= 1, got {args.prompts}")
+    for name in args.divergences:
+        canonical_name(name)
+    options = _decoding(args, method=args.method)
+    prompts = [e.prompt for e in get_task(args.task, args.data).examples(args.prompts)]
+    pair = ModelPair.load(args.target, args.draft, args.dtype, args.device)
+    options["eos_token_ids"] = eos_ids(pair.target, pair.tokenizer)
+    if not args.json:
+        print(f"{'divergence':<16} {'T':>10} {'acceptance':>10} {'tok/pass':>9} {'D q10':>8} {'D q50':>8} "
+              f"{'D q90':>8} {'runs':>4}")
+    for name in args.divergences:
+        config = make_config(**(options | {"divergence": name, "threshold": 0.0}))
+        result = calibrate_pair(pair, config, objective, value, prompts, progress=not args.json)
+        if args.json:
+            print(json.dumps(result.to_dict() | {"prompts": len(prompts)}))
+            continue
+        q = result.quantiles
+        note = "" if result.converged else "  (not converged: acceptance jumps with T on this sample; use more --prompts)"
+        print(f"{name:<16} {result.threshold:>10.4g} {result.acceptance:>10.3f} {result.mean_accepted:>9.2f} "
+              f"{q.get('q10', 0):>8.3g} {q.get('q50', 0):>8.3g} {q.get('q90', 0):>8.3g} {result.runs:>4}{note}",
+              flush=True)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    for name in args.divergences:
+        canonical_name(name)
+    acceptances = args.target_acceptance
+    if args.thresholds is None and acceptances is None:
+        acceptances = _floats(BENCH_ACCEPTANCE)
+    for value in acceptances or ():
+        check_request("acceptance", value, args.gamma)
+    options = _decoding(args)
+    settings = Settings(task=args.task, data=args.data, limit=args.limit, target=args.target, dtype=args.dtype,
+                        device=args.device, calibration_prompts=args.calibration_prompts,
+                        **{k: v for k, v in options.items() if k in SETTINGS_FIELDS})
+    specs = plan(args.methods, args.rules, args.divergences, args.thresholds or [], acceptances or [])
+    sweep = Sweep(settings, args.out, progress=not args.quiet)
+    rows = sweep.run(specs)
+    metric = sweep.task.metric
+    print(f"{'configuration':<36} {metric:>8} {'tok/s':>7} {'tok/pass':>8} {'accept':>7}")
+    for row in rows:
+        value = "-" if row.get(metric) is None else f"{row[metric]:.3f}"
+        rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}"
+        threshold = "" if row["threshold"] is None else f" T={row['threshold']:.3g}"
+        name = f"{row['method']} {row['rule']}" + (f" {row['divergence']}{threshold}" if row["divergence"] else "")
+        print(f"{name:<36} {value:>8} {row['tokens_per_s']:>7.1f} {row['mean_accepted']:>8.2f} {rate:>7}")
+    print(f"results: {Path(args.out) / 'results.csv'}, {Path(args.out) / 'results.json'}, "
+          f"{Path(args.out) / 'curve.png'}", file=sys.stderr)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -141,11 +315,14 @@ def _train(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in metrics.items() if k != "config"}))
 
 
+COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "train": _train}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()
     try:
         args = build_parser().parse_args(argv)
-        _train(args) if args.command == "train" else _generate(args)
+        COMMANDS[args.command](args)
     except (UsageError, ValueError) as error:
         print(f"fuzzyspec: error: {error}", file=sys.stderr)
         return 2

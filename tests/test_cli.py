@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,82 @@ def test_console_script(tiny_dirs):
     done = subprocess.run([sys.executable, "-m", "fuzzyspec.cli", "generate", "hi", "--gamma", "-3"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--task", "nope"], ["unknown task 'nope'"]),
+    (["--task", "freeform", "--thresholds", "0.1,-1"], ["threshold must be >= 0"]),
+    (["--task", "freeform", "--rules", "beam"], ["unknown rule"]),
+    (["--task", "freeform", "--divergences", "cosine"], ["unknown divergence"]),
+    (["--task", "freeform", "--target-acceptance", "1.5"], ["target acceptance must be in (0, 1)"]),
+    (["--task", "freeform", "--thresholds", "0.1", "--target-acceptance", "0.5"], ["not allowed with"]),
+    (["--task", "freeform", "--limit", "0"], ["--limit must be >= 1"]),
+    (["--task", "gsm8k", "--data", "/no/such.jsonl"], ["no such file"]),
+    (["--task", "freeform", "--gamma", "0"], ["gamma must be >= 1"]),
+])
+def test_bench_bad_input(capsys, tmp_path, argv, fragments):
+    fails_cleanly(capsys, ["bench", "--out", str(tmp_path / "out"), *argv], *fragments)
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    ([], ["one of the arguments --acceptance --mean-accepted is required"]),
+    (["--acceptance", "1.2"], ["target acceptance must be in (0, 1)"]),
+    (["--mean-accepted", "9"], ["gamma + 1"]),
+    (["--acceptance", "0.5", "--method", "sd"], ["invalid choice"]),
+    (["--acceptance", "0.5", "--divergences", "js,cosine"], ["unknown divergence 'cosine'"]),
+    (["--acceptance", "0.5", "--prompts", "0"], ["--prompts must be >= 1"]),
+])
+def test_calibrate_bad_input(capsys, argv, fragments):
+    fails_cleanly(capsys, ["calibrate", *argv], *fragments)
+
+
+def test_generate_target_acceptance_bad_input(capsys):
+    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "0.8", "--method", "sd"], "needs a fuzzy method")
+    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "0.8", "--threshold", "0.3"], "not allowed with")
+    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "1"], "target acceptance must be in (0, 1)")
+
+
+PROMPTS = str(Path(__file__).parent / "fixtures" / "prompts.jsonl")
+
+
+def test_bench_command(capsys, tmp_path, tiny_dirs):
+    out = tmp_path / "sweep"
+    argv = ["bench", "--task", "freeform", "--data", PROMPTS, "--out", str(out), "--target", tiny_dirs["target"],
+            "--methods", f"ar,{tiny_dirs['draft']}", "--rules", "sd,fsd", "--thresholds", "0.2,0.5",
+            "--max-new-tokens", "4", "--dtype", "float32", "--quiet"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:2] == ["configuration", "nll"] and len(table) == 1 + 4
+    assert "fsd js T=0.5" in table[-1]
+    for name in ("results.csv", "results.json", "curve.png", "greedy_reference.jsonl"):
+        assert (out / name).is_file()
+
+
+def test_calibrate_command(capsys, tiny_dirs):
+    argv = ["calibrate", "--acceptance", "0.5", "--divergences", "js,tv", "--task", "freeform", "--data", PROMPTS,
+            "--prompts", "3", "--max-new-tokens", "8", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"],
+            "--dtype", "float32", "--json"]
+    assert main(argv) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["divergence"] for r in results] == ["js", "tv"]
+    for r in results:
+        assert r["requested"] == 0.5 and r["prompts"] == 3 and r["runs"] >= 1 and r["threshold"] >= 0
+
+
+def test_generate_with_target_acceptance_calibrates_once(capsys, tmp_path, tiny_dirs, monkeypatch):
+    from fuzzyspec import cli
+    from fuzzyspec.tasks import FreeForm
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli, "get_task", lambda name, data=None: FreeForm(PROMPTS))
+    monkeypatch.setattr(cli, "CALIBRATION_PROMPTS", 3)
+    argv = ["generate", "hello", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--json",
+            "--target-acceptance", "0.5", "--max-new-tokens", "6", "--dtype", "float32"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    saved = json.loads((tmp_path / "calibrations.json").read_text())
+    (calibration,) = saved.values()
+    assert json.loads(captured.out)["threshold"] == calibration["threshold"]
+    assert "[calibrated] js T=" in captured.err
+    monkeypatch.setattr(cli, "calibrate_pair", None)  # a second call must read the cache
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["threshold"] == calibration["threshold"]
