@@ -222,24 +222,35 @@ class Sweep:
         return known[spec.key]["threshold"]
 
     # -- rows ---------------------------------------------------------------------------------------
-    def references(self) -> dict[str, list[int]]:
-        """The target's greedy output per example (for agreement), computed once and kept on disk."""
-        path = self.out / "greedy_reference.jsonl"
-        known = {r["id"]: r["tokens"] for r in _read_jsonl(path)}
-        missing = [e for e in self.examples if e.id not in known]
+    def _is_greedy_ar(self, spec: Spec) -> bool:
+        return spec.rule == "ar" and self.settings.temperature == 0
+
+    def references(self, specs: list[Spec], done: dict[str, dict[str, dict]]) -> dict[str, list[int]]:
+        """The target's greedy output per example (for agreement), kept on disk. A greedy AR row
+        produces it anyway (and runs first), so only what no such row will produce is computed here."""
+        known = {r["id"]: r["tokens"] for r in _read_jsonl(self.out / "greedy_reference.jsonl")}
+        coming = {e.id for spec in specs if self._is_greedy_ar(spec) for e in self.examples
+                  if e.id not in done[spec.key]}
         spec = Spec("ar", "ar")
+        missing = [e for e in self.examples if e.id not in known and e.id not in coming]
         for example in tqdm(missing, desc="greedy reference", leave=False, disable=not self.progress):
             config = self.config(spec, None, temperature=0.0, top_k=0, top_p=1.0, seed=0)
-            known[example.id] = self.generate(spec, self.ids(example), config).tokens
-            _append_jsonl(path, {"id": example.id, "tokens": known[example.id]})
+            self._remember(known, example.id, self.generate(spec, self.ids(example), config).tokens)
         return known
 
+    def _remember(self, references: dict[str, list[int]], example_id: str, tokens: list[int]) -> None:
+        if example_id not in references:
+            references[example_id] = tokens
+            _append_jsonl(self.out / "greedy_reference.jsonl", {"id": example_id, "tokens": tokens})
+
     def run(self, specs: list[Spec]) -> list[dict]:
-        """Run every row not yet finished (with one progress bar over all their examples); return all rows."""
+        """Run every row not yet finished (with one progress bar over all their examples); return all rows.
+        A greedy AR row runs first, so that its outputs can serve as the greedy reference."""
+        specs = sorted(specs, key=lambda spec: not self._is_greedy_ar(spec))
         done = {spec.key: {r["id"]: r for r in _read_jsonl(self.out / "generations" / spec.file_name)}
                 for spec in specs}
         todo = sum(len([e for e in self.examples if e.id not in done[s.key]]) for s in specs)
-        references = self.references() if self.task.compare_to_greedy and todo else None
+        references = self.references(specs, done) if self.task.compare_to_greedy and todo else None
         bar = tqdm(total=todo, desc="bench", unit="example", disable=not self.progress)
         for spec in specs:
             missing = [(i, e) for i, e in enumerate(self.examples) if e.id not in done[spec.key]]
@@ -276,6 +287,8 @@ class Sweep:
         pair = self.pair(spec.method)
         scores["nll"] = target_nll(pair.target, ids, result.tokens, pair.vocab_size)
         if references is not None:
+            if self._is_greedy_ar(spec):
+                self._remember(references, example.id, result.tokens)
             scores |= greedy_agreement(result.tokens, references[example.id])
         return {"id": example.id, "completion": result.text, "finish_reason": result.finish_reason,
                 "threshold": threshold, **{k: getattr(stats, k) for k in COUNTERS}, "scores": scores}

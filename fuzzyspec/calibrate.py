@@ -18,7 +18,9 @@ estimate leaves it (as it can for ``fsd-hybrid`` or trees, where the estimate ab
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -188,3 +190,30 @@ def calibrate_pair(pair: "ModelPair", config: DecodeConfig, objective: str, valu
     ids = [pair.encode(p) for p in prompts]
     measure = sample_measure(lambda x, c: pair.generate(x, stop=stop, config=c), ids, config, progress)
     return calibrate(measure, objective, value, config.divergence)
+
+
+CALIBRATION_PROMPTS = 8     # ``cached_calibration``: held-out ShareGPT prompts in the sample
+CALIBRATION_TOKENS = 64     # and tokens decoded per prompt
+_cache_lock = threading.Lock()
+
+
+def cached_calibration(pair: "ModelPair", config: DecodeConfig, acceptance: float, names: dict) -> dict:
+    """T for ``config`` at ``acceptance``, calibrated on held-out ShareGPT prompts once per setting
+    (``names`` identifies the models) and kept in ``calibrations.json`` in the fuzzyspec cache."""
+    from .loading import cache_dir
+    from .tasks import get_task
+
+    config = dataclasses.replace(config, max_new_tokens=CALIBRATION_TOKENS, seed=0, threshold=0.0)
+    key = json.dumps(names | {"acceptance": acceptance, "prompts": CALIBRATION_PROMPTS, "config": repr(config)})
+    path = cache_dir() / "calibrations.json"
+    with _cache_lock:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in known:
+        prompts = [e.prompt for e in get_task("freeform").examples(CALIBRATION_PROMPTS)]
+        found = calibrate_pair(pair, config, "acceptance", acceptance, prompts).to_dict() | {"prompts": len(prompts)}
+        with _cache_lock:
+            known = json.loads(path.read_text()) if path.is_file() else {}
+            known[key] = found
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(known, indent=1) + "\n")
+    return known[key]

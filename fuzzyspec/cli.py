@@ -13,16 +13,13 @@ from transformers.utils import logging as transformers_logging
 
 from .api import DEFAULT_DRAFT, ModelPair, eos_ids, make_config
 from .bench import Settings, Sweep, plan
-from .calibrate import calibrate_pair, check_request
+from .calibrate import CALIBRATION_PROMPTS, cached_calibration, calibrate_pair, check_request
 from .decoding import METHODS, SCHEDULES
 from .divergences import ALIASES, NAMES, canonical_name
-from .loading import cache_dir
 from .rules import FUZZY
 from .tasks import TASKS, get_task
 from .train import KINDS, TrainConfig, train
 
-CALIBRATION_PROMPTS = 8     # generate --target-acceptance: held-out prompts in the sample
-CALIBRATION_TOKENS = 64     # and tokens decoded per prompt
 CALIBRATED_DIVERGENCES = "js,js_legacy,kl_pq,kl_qp,tv,hellinger"
 BENCH_ACCEPTANCE = "0.3,0.5,0.7,0.9"
 SETTINGS_FIELDS = {f.name for f in dataclasses.fields(Settings)}
@@ -162,6 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding(bench, max_new_tokens=256, seed=0, tree=False)
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with batched FSD")
+    _add_models(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1; 0.0.0.0 to listen on all)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    serve.add_argument("--model-name", default=None,
+                       help="the model id clients send (default: the --target name, or smollm2-135m-instruct)")
+    defaults = serve.add_argument_group("request defaults (each request may override them in its body)")
+    defaults.add_argument("--method", default="fsd", choices=METHODS)
+    defaults.add_argument("--divergence", default="js", help=f"{divergence_help} (default: js)")
+    defaults.add_argument("--threshold", type=_threshold, default=0.3, help="(default: 0.3)")
+    defaults.add_argument("--gamma", type=int, default=5, help="(default: 5)")
+    defaults.add_argument("--temperature", type=float, default=1.0, help="(default: 1.0, as OpenAI's API)")
+    defaults.add_argument("--max-tokens", type=int, default=256, help="(default: 256)")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default: 16)")
+    limits.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting for a row; more get HTTP 429 (default: 64)")
+    limits.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may take, queueing included; then HTTP 504 (default: 300)")
+
     train = commands.add_parser("train", help="train a drafter for a target on ShareGPT")
     train.add_argument("kind", choices=KINDS, help="eagle: an EAGLE head; draft: a small draft LM")
     train.add_argument("--out", required=True, help="output folder (a run there is resumed)")
@@ -201,23 +218,11 @@ def _decoding(args: argparse.Namespace, **extra: object) -> dict:
 
 def _calibrated_threshold(pair: ModelPair, options: dict, target: str | None, draft: str,
                           acceptance: float) -> float:
-    """T for ``generate --target-acceptance``: calibrated once per setting on held-out ShareGPT
-    prompts, then read from the cache."""
-    config = make_config(**(options | {"max_new_tokens": CALIBRATION_TOKENS, "seed": 0, "threshold": 0.0,
-                                       "eos_token_ids": eos_ids(pair.target, pair.tokenizer)}))
-    key = json.dumps({"target": target, "draft": draft, "acceptance": acceptance, "prompts": CALIBRATION_PROMPTS,
-                      "config": repr(config)})
-    path = cache_dir() / "calibrations.json"
-    known = json.loads(path.read_text()) if path.is_file() else {}
-    if key not in known:
-        prompts = [e.prompt for e in get_task("freeform").examples(CALIBRATION_PROMPTS)]
-        calibration = calibrate_pair(pair, config, "acceptance", acceptance, prompts)
-        known[key] = calibration.to_dict()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=1) + "\n")
-    found = known[key]
+    """T for ``generate --target-acceptance``, calibrated once per setting and then read from the cache."""
+    config = make_config(**(options | {"eos_token_ids": eos_ids(pair.target, pair.tokenizer)}))
+    found = cached_calibration(pair, config, acceptance, {"target": str(target), "draft": str(draft)})
     print(f"[calibrated] {options['divergence']} T={found['threshold']:.4g}: acceptance {found['acceptance']:.3f} "
-          f"on {CALIBRATION_PROMPTS} held-out prompts (asked {acceptance})", file=sys.stderr)
+          f"on {found['prompts']} held-out prompts (asked {acceptance})", file=sys.stderr)
     return found["threshold"]
 
 
@@ -273,7 +278,7 @@ def _calibrate(args: argparse.Namespace) -> None:
             print(json.dumps(result.to_dict() | {"prompts": len(prompts)}))
             continue
         q = result.quantiles
-        note = "" if result.converged else "  (not converged: acceptance jumps with T on this sample; use more --prompts)"
+        note = "" if result.converged else "  (not converged: acceptance jumps with T here; use more --prompts)"
         print(f"{name:<16} {result.threshold:>10.4g} {result.acceptance:>10.3f} {result.mean_accepted:>9.2f} "
               f"{q.get('q10', 0):>8.3g} {q.get('q50', 0):>8.3g} {q.get('q90', 0):>8.3g} {result.runs:>4}{note}",
               flush=True)
@@ -315,7 +320,34 @@ def _train(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in metrics.items() if k != "config"}))
 
 
-COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "train": _train}
+def _serve(args: argparse.Namespace) -> None:
+    from .loading import EMBEDDED
+    from .server import ServeConfig, Server, create_app
+
+    for name, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                        ("--max-tokens", args.max_tokens), ("--gamma", args.gamma)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    if args.request_timeout <= 0:
+        raise UsageError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    canonical_name(args.divergence)
+    make_config(method=args.method, divergence=args.divergence, threshold=args.threshold, gamma=args.gamma,
+                temperature=args.temperature)
+    import uvicorn
+
+    draft = None if args.method == "ar" and args.draft == DEFAULT_DRAFT else args.draft
+    pair = ModelPair.load(args.target, draft, args.dtype, args.device)
+    config = ServeConfig(model_name=args.model_name or args.target or EMBEDDED, method=args.method,
+                         divergence=args.divergence, threshold=args.threshold, gamma=args.gamma,
+                         temperature=args.temperature, max_tokens=args.max_tokens, max_batch=args.max_batch,
+                         max_queue=args.max_queue, request_timeout=args.request_timeout,
+                         names=(("target", str(args.target)), ("draft", str(draft))))
+    app = create_app(Server(pair, config))
+    print(f"fuzzyspec: serving {config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "serve": _serve, "train": _train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -128,3 +128,13 @@ def test_free_form_rows_compare_with_the_greedy_output(tmp_path, tiny_dirs):
     assert ar["exact_match"] == 1 and ar["first_diff"] == ar["new_tokens"] / 4
     assert sd["exact_match"] == 1  # float32 greedy SD is lossless
     assert 0 <= fsd["exact_match"] <= 1 and (tmp_path / "out" / "greedy_reference.jsonl").is_file()
+
+
+def test_the_greedy_ar_row_is_the_greedy_reference(tmp_path, tiny_dirs, monkeypatch):
+    path = tmp_path / "echo.py"
+    path.write_text(TASK.format(compare=True))
+    calls = count_generate(monkeypatch)
+    Sweep(settings(str(path), tiny_dirs), tmp_path / "out", progress=False).run([Spec("ar", "ar")])
+    assert len(calls) == 1 + 4  # warm-up and the row: no separate reference pass
+    references = (tmp_path / "out" / "greedy_reference.jsonl").read_text().splitlines()
+    assert len(references) == 4

@@ -167,11 +167,10 @@ def test_calibrate_command(capsys, tiny_dirs):
 
 
 def test_generate_with_target_acceptance_calibrates_once(capsys, tmp_path, tiny_dirs, monkeypatch):
-    from fuzzyspec import cli
     from fuzzyspec.tasks import FreeForm
     monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(cli, "get_task", lambda name, data=None: FreeForm(PROMPTS))
-    monkeypatch.setattr(cli, "CALIBRATION_PROMPTS", 3)
+    monkeypatch.setattr("fuzzyspec.tasks.get_task", lambda name, data=None: FreeForm(PROMPTS))
+    monkeypatch.setattr("fuzzyspec.calibrate.CALIBRATION_PROMPTS", 3)
     argv = ["generate", "hello", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--json",
             "--target-acceptance", "0.5", "--max-new-tokens", "6", "--dtype", "float32"]
     assert main(argv) == 0
@@ -180,6 +179,6 @@ def test_generate_with_target_acceptance_calibrates_once(capsys, tmp_path, tiny_
     (calibration,) = saved.values()
     assert json.loads(captured.out)["threshold"] == calibration["threshold"]
     assert "[calibrated] js T=" in captured.err
-    monkeypatch.setattr(cli, "calibrate_pair", None)  # a second call must read the cache
+    monkeypatch.setattr("fuzzyspec.calibrate.calibrate_pair", None)  # a second call must read the cache
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["threshold"] == calibration["threshold"]

@@ -1,0 +1,225 @@
+"""The serving engine: a bounded queue of requests, batched onto one ``BatchDecoder`` step by step.
+
+One background thread owns the models. Between two decoding steps it retires finished or cancelled
+rows and admits waiting requests (up to ``max_batch`` rows), so a request joins the running batch at
+the next step instead of waiting for the batch to drain. Requests talk to it through thread-safe
+events: text deltas as tokens are accepted, then one final result (or an error).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .batching import BatchDecoder, Row
+from .decoding import DecodeConfig
+from .stats import Stats
+from .text import TextStream
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity (HTTP 429)."""
+
+
+class Unavailable(Exception):
+    """The engine is not running (HTTP 503)."""
+
+
+@dataclass
+class Request:
+    """One generation request and what it has produced so far."""
+
+    input_ids: torch.Tensor          # [1, L]
+    config: DecodeConfig
+    stop: tuple[str, ...] = ()
+    deadline: float = float("inf")   # time.monotonic() after which it is abandoned
+    id: int = field(default_factory=itertools.count().__next__)
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("text", str) ... then ("done", self)
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    stats: Stats | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "timeout"
+    submitted: float = field(default_factory=time.monotonic)
+    timed_out: bool = False
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop generating (a client went away); the row leaves the batch at the next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class Counters:
+    """Totals since start, for /metrics."""
+
+    requests: dict[str, int] = field(default_factory=lambda: {
+        "stop": 0, "length": 0, "cancelled": 0, "timeout": 0, "error": 0, "rejected": 0})
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    steps: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
+
+
+class Engine:
+    """Runs requests in a batch on a background thread."""
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, tokenizer: Any, vocab_size: int,
+                 max_batch: int = 16, max_queue: int = 64) -> None:
+        self.decoder = BatchDecoder(target, draft, vocab_size)
+        self.tokenizer = tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, tuple[Request, Row, TextStream]] = {}
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="fuzzyspec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    # -- requests ------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        """Queue a request; raises QueueFull when ``max_queue`` requests already wait."""
+        if not self.alive:
+            raise Unavailable("the engine is not running")
+        with self._lock:
+            if len(self.waiting) >= self.max_queue:
+                self.counters.requests["rejected"] += 1
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(request)
+        self._wake.set()
+        return request
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self.running)
+
+    def tokens_per_s(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last ``window`` seconds of steps."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self.counters.recent) if now - t <= window]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._admit()
+            if not self.running:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                before = sum(len(row.tokens) for _, row, _ in self.running.values())
+                finished = self.decoder.step()
+                after = sum(len(row.tokens) for _, row, _ in self.running.values())
+            except Exception as error:  # a failing step fails its requests, not the server
+                self._fail_all(error)
+                continue
+            self.counters.steps += 1
+            self.counters.recent.append((time.monotonic(), after - before))
+            for row in finished:
+                self._finish(row)
+        self._fail_all(Unavailable("the server is shutting down"))
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        while len(self.running) < self.max_batch:
+            with self._lock:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            if now > request.deadline or request.cancelled:
+                self._close(request, "timeout" if now > request.deadline else "cancelled")
+                continue
+            stream = TextStream(self.tokenizer, request.stop)
+            try:
+                row = self.decoder.add(request.input_ids, request.config, self._callback(request, stream))
+            except Exception as error:
+                self._error(request, error)
+                continue
+            self.counters.prompt_tokens += request.input_ids.shape[1]
+            self.running[id(row)] = (request, row, stream)
+
+    def _callback(self, request: Request, stream: TextStream) -> Callable[[torch.Tensor], bool]:
+        def on_tokens(new: torch.Tensor) -> bool:
+            delta = stream.push(new[0].tolist())
+            if delta:
+                request.events.put(("text", delta))
+            if time.monotonic() > request.deadline:
+                request.timed_out = True
+            return stream.stopped or request.cancelled or request.timed_out
+        return on_tokens
+
+    def _finish(self, row: Row) -> None:
+        request, _, stream = self.running.pop(id(row))
+        tail = stream.finish()
+        if tail:
+            request.events.put(("text", tail))
+        request.text, request.tokens, request.stats = stream.text, row.tokens, row.stats
+        reason = "cancelled" if request.cancelled else "timeout" if request.timed_out else row.finish_reason
+        c = self.counters
+        c.generated_tokens += len(row.tokens)
+        c.proposed += row.stats.proposed
+        c.accepted += row.stats.accepted
+        c.target_forwards += row.stats.target_forwards
+        self._close(request, reason)
+
+    def _close(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self.counters.requests[reason] = self.counters.requests.get(reason, 0) + 1
+        request.events.put(("done", request))
+
+    def _error(self, request: Request, error: BaseException) -> None:
+        self.counters.requests["error"] += 1
+        request.finish_reason = "error"
+        request.events.put(("error", f"{type(error).__name__}: {error}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every running and waiting request and start over with an empty batch."""
+        for request, _, _ in list(self.running.values()):
+            self._error(request, error)
+        self.running.clear()
+        with self._lock:
+            waiting, self.waiting = list(self.waiting), deque()
+        if isinstance(error, Unavailable):
+            for request in waiting:
+                self._error(request, error)
+        else:
+            with self._lock:
+                self.waiting.extendleft(reversed(waiting))
+        self.decoder = BatchDecoder(self.decoder.target, self.decoder.draft, self.decoder.vocab_size)

@@ -1,0 +1,229 @@
+"""The server, exercised through the real ``openai`` client and raw HTTP, on tiny models."""
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from fuzzyspec.api import ModelPair
+from fuzzyspec.server import ServeConfig, Server, create_app
+
+PROMPTS = str(Path(__file__).parent / "fixtures" / "prompts.jsonl")
+
+
+class Running:
+    def __init__(self, tiny_dirs, **options):
+        self.pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], "float32")
+        config = ServeConfig(**{"model_name": "tiny", "temperature": 0.0, "max_tokens": 16, **options})
+        self.server = Server(self.pair, config)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(self.server), host="127.0.0.1", port=port,
+                                                     log_level="error"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uvicorn.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def stop(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=30)
+
+    def slow_down(self, seconds):
+        """Make every decoding step take at least ``seconds`` (to fill queues and run out of time)."""
+        engine = self.server.engine
+        step = engine.decoder.step
+
+        def slow():
+            time.sleep(seconds)
+            return step()
+        engine.decoder.step = slow
+
+    def metric(self, name):
+        text = httpx.get(self.url + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith("fuzzyspec_" + name)}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    running = Running(tiny_dirs)
+    yield running
+    running.stop()
+
+
+def test_models_health_and_metrics(server):
+    assert server.client.models.list().data[0].id == "tiny"
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("requests_total", "generated_tokens_total", "acceptance_rate", "tokens_per_second", "queue_depth",
+                 "active_requests"):
+        assert f"# TYPE fuzzyspec_{name} " in text
+
+
+def test_completion_and_chat_equal_the_library(server):
+    done = server.client.completions.create(model="tiny", prompt="hello there", max_tokens=9, temperature=0)
+    alone = server.pair.generate("hello there", chat=False, max_new_tokens=9, method="fsd", threshold=0.3,
+                                 temperature=0)
+    assert done.choices[0].text == alone.text and done.usage.completion_tokens == len(alone.tokens)
+    assert done.choices[0].finish_reason == alone.finish_reason and done.object == "text_completion"
+    chat = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=7, temperature=0, extra_body={"method": "sd"})
+    alone = server.pair.generate("hi", max_new_tokens=7, method="sd", temperature=0)
+    assert chat.choices[0].message.content == alone.text and chat.choices[0].message.role == "assistant"
+
+
+def test_streaming_gives_the_same_text(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    whole = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    chunks = list(server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model="tiny", prompt="count: 1 2 3", max_tokens=10, temperature=0, stream=True))
+    assert streamed == server.client.completions.create(model="tiny", prompt="count: 1 2 3", max_tokens=10,
+                                                        temperature=0).choices[0].text
+
+
+def test_per_request_thresholds(server):
+    def acceptance(**extra):
+        done = server.client.completions.create(model="tiny", prompt="the cat sat", max_tokens=16, temperature=0,
+                                                extra_body=extra)
+        return done.model_extra["fuzzyspec"]
+    low, high = acceptance(fsd_threshold=0.0), acceptance(fsd_threshold=10.0, fsd_divergence="js")
+    assert low["threshold"] == 0.0 and high["threshold"] == 10.0
+    assert high["acceptance_rate"] == 1.0 and low["acceptance_rate"] < 1.0
+    assert acceptance(method="ar")["acceptance_rate"] is None
+
+
+def test_target_acceptance_is_calibrated(server, tmp_path, monkeypatch):
+    from fuzzyspec.tasks import FreeForm
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr("fuzzyspec.tasks.get_task", lambda name, data=None: FreeForm(PROMPTS))
+    monkeypatch.setattr("fuzzyspec.calibrate.CALIBRATION_PROMPTS", 3)
+    done = server.client.completions.create(model="tiny", prompt="a b c", max_tokens=8, temperature=0,
+                                            extra_body={"target_acceptance": 0.5})
+    (saved,) = json.loads((tmp_path / "calibrations.json").read_text()).values()
+    assert done.model_extra["fuzzyspec"]["threshold"] == saved["threshold"]
+
+
+def test_32_concurrent_streams_match_single_requests(server):
+    requests = [dict(prompt=f"request {i}: " + "word " * (i % 5), max_tokens=4 + i % 13,
+                     method=["ar", "sd", "fsd", "fsd-hybrid"][i % 4], threshold=[0.1, 0.3, 0.6][i % 3])
+                for i in range(32)]
+
+    def ask(r, stream):
+        extra = {"method": r["method"], "fsd_threshold": r["threshold"]}
+        if not stream:
+            done = server.client.completions.create(model="tiny", prompt=r["prompt"], max_tokens=r["max_tokens"],
+                                                    temperature=0, extra_body=extra)
+            return done.choices[0].text, done.usage.completion_tokens, done.choices[0].finish_reason
+        chunks = list(server.client.completions.create(model="tiny", prompt=r["prompt"], max_tokens=r["max_tokens"],
+                                                       temperature=0, stream=True, extra_body=extra,
+                                                       stream_options={"include_usage": True}))
+        return ("".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens,
+                [c.choices[0].finish_reason for c in chunks if c.choices][-1])
+
+    alone = [ask(r, stream=False) for r in requests]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda r: ask(r, stream=True), requests))
+    assert together == alone
+    for r, (_, tokens, reason) in zip(requests, together):
+        assert tokens == r["max_tokens"] if reason == "length" else tokens < r["max_tokens"]
+    assert server.metric("active_requests") == {"fuzzyspec_active_requests": 0.0}
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"model": "tiny", "prompt": "x", "max_tokens": "lots"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be at least 1"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n = 1"),
+    ({"model": "tiny", "prompt": "x", "method": "beam"}, 400, "unknown method"),
+    ({"model": "tiny", "prompt": "x", "fsd_threshold": -1}, 400, "threshold must be"),
+    ({"model": "tiny", "prompt": "x", "fsd_divergence": "cosine"}, 400, "unknown divergence"),
+    ({"model": "tiny", "prompt": "x", "target_acceptance": 2}, 400, "target_acceptance must be in (0, 1)"),
+    ({"model": "tiny", "prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "word " * 600}, 400, "exceeds the model's context"),
+    ({"model": "tiny", "prompt": ""}, 400, "empty"),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, fragment):
+    reply = httpx.post(server.url + "/v1/completions", json=body)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert fragment in error["message"] and error["type"]
+    assert server.client.completions.create(model="tiny", prompt="still here?", max_tokens=2).choices
+
+
+def test_malformed_json_and_chat_shapes(server):
+    reply = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
+    reply = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert reply.status_code == 400
+    reply = httpx.post(server.url + "/v1/chat/completions",
+                       json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+    assert reply.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(server):
+    before = server.metric("requests_total").get('fuzzyspec_requests_total{outcome="cancelled"}', 0)
+    server.slow_down(0.02)
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "go on", "max_tokens": 400, "stream": True}) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.time() + 20
+        while server.metric("active_requests")["fuzzyspec_active_requests"] > 0:
+            assert time.time() < deadline, "the abandoned request kept its row"
+            time.sleep(0.1)
+    finally:
+        server.server.engine.decoder.step = type(server.server.engine.decoder).step.__get__(
+            server.server.engine.decoder)
+    after = server.metric("requests_total")['fuzzyspec_requests_total{outcome="cancelled"}']
+    assert after == before + 1
+    assert server.client.completions.create(model="tiny", prompt="next", max_tokens=3).usage.completion_tokens
+
+
+def test_a_full_queue_answers_429_and_slow_requests_504(tiny_dirs):
+    running = Running(tiny_dirs, max_batch=1, max_queue=1, request_timeout=1.5)
+    try:
+        running.slow_down(0.1)
+        first = httpx.stream("POST", running.url + "/v1/completions",
+                             json={"model": "tiny", "prompt": "a", "max_tokens": 40, "stream": True}, timeout=30)
+        reply = first.__enter__()
+        lines = reply.iter_lines()
+        next(lines)  # the first request holds the only row
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(httpx.post, running.url + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "b", "max_tokens": 40}, timeout=30)
+            time.sleep(0.3)
+            with pytest.raises(openai.RateLimitError):
+                running.client.completions.create(model="tiny", prompt="c", max_tokens=2)
+            assert queued.result().status_code == 504
+        rest = "\n".join(lines)
+        first.__exit__(None, None, None)
+        assert '"code": "timeout"' in rest and rest.rstrip().endswith("data: [DONE]")
+        counts = running.metric("requests_total")
+        assert counts['fuzzyspec_requests_total{outcome="rejected"}'] == 1
+        assert counts['fuzzyspec_requests_total{outcome="timeout"}'] == 2
+    finally:
+        running.stop()
