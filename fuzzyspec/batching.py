@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from .decoding import DecodeConfig, _divergences
 from .rules import FUZZY, RULES
 from .stats import Stats
+from .trees import model_mask
 
 Callback = Callable[[Tensor], bool]
 
@@ -63,7 +64,8 @@ class PaddedCache:
         mask = torch.cat([valid[:, None, :].expand(rows, n, cached), new_part], 2)[:, None]
         before = valid.sum(1, keepdim=True)
         positions = (before + new_valid.long().cumsum(1) - 1).clamp_min(0)
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+        out = model(input_ids=tokens, attention_mask=model_mask(model, mask), position_ids=positions,
+                    past_key_values=self.cache,
                     use_cache=True, logits_to_keep=logits_to_keep)
         self.valid = torch.cat([valid, new_valid], 1)
         return out.logits
@@ -185,6 +187,9 @@ class BatchDecoder:
         if config.tree or config.gamma_schedule != "constant" or config.draft_confidence:
             raise ValueError("batched decoding drafts fixed-length chains: no trees, gamma schedule or draft "
                              "confidence")
+        if config.draft_only:
+            raise ValueError("fsd with T = inf is the draft model decoding alone; batched decoding needs a "
+                             "finite threshold")
         input_ids = input_ids.to(self.device)
         generator = torch.Generator(device=self.device)
         if config.seed is None:
@@ -193,9 +198,11 @@ class BatchDecoder:
             generator.manual_seed(config.seed)
         # Everything but the last prompt token goes into the caches now; the last is fed at the first step.
         head, last = input_ids[:, :-1], int(input_ids[0, -1])
-        self.target_cache.extend(_prefill(self.target, head))
-        if self.draft is not None:
-            self.draft_cache.extend(_prefill(self.draft, head))
+        target_rows = _prefill(self.target, head)  # both before either joins: a failure leaves the batch as it was
+        draft_rows = _prefill(self.draft, head) if self.draft is not None else None
+        self.target_cache.extend(target_rows)
+        if draft_rows is not None:
+            self.draft_cache.extend(draft_rows)
         row = Row(input_ids.shape[1], config, on_tokens, generator, Stats(method=config.method), time.perf_counter(),
                   target_pending=[last], draft_pending=[last])
         self.rows.append(row)
@@ -226,6 +233,7 @@ class BatchDecoder:
             row_draft_logits = draft_logits[b: b + 1, :count] if k else logits[b: b + 1, :0]
             accepted, next_token = self._verify(row, logits[b: b + 1, : count + 1], row_drafts, row_draft_logits)
             row.stats.accept_s += time.perf_counter() - start
+            row.stats.draft_forwards += k if count else 0
             # Keep the fed newest token and the accepted drafts; the step's other positions go.
             self.target_cache.drop(b, target_length + 1 + accepted)
             new = row_drafts[0, :accepted].tolist() + [next_token]

@@ -194,7 +194,8 @@ class Sweep:
         pair = self.pair(spec.method)
         options = dict(method=spec.rule, gamma=s.gamma, gamma_schedule=s.gamma_schedule,
                        draft_confidence=s.draft_confidence, raw_divergence=s.raw_divergence,
-                       divergence_top_k=s.divergence_top_k, divergence_top_p=s.divergence_top_p, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                       divergence_top_k=s.divergence_top_k, divergence_top_p=s.divergence_top_p,
+                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                        max_new_tokens=s.max_new_tokens, eos_token_ids=eos_ids(pair.target, pair.tokenizer),
                        tree=spec.method.endswith(TREE_SUFFIX), tree_total_tokens=s.tree_total_tokens,
                        tree_depth=s.tree_depth, tree_top_k=s.tree_top_k)

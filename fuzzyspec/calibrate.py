@@ -206,14 +206,12 @@ def cached_calibration(pair: "ModelPair", config: DecodeConfig, acceptance: floa
     config = dataclasses.replace(config, max_new_tokens=CALIBRATION_TOKENS, seed=0, threshold=0.0)
     key = json.dumps(names | {"acceptance": acceptance, "prompts": CALIBRATION_PROMPTS, "config": repr(config)})
     path = cache_dir() / "calibrations.json"
-    with _cache_lock:
+    with _cache_lock:  # one calibration at a time: a second identical request then finds the first's result
         known = json.loads(path.read_text()) if path.is_file() else {}
-    if key not in known:
-        prompts = [e.prompt for e in get_task("freeform").examples(CALIBRATION_PROMPTS)]
-        found = calibrate_pair(pair, config, "acceptance", acceptance, prompts).to_dict() | {"prompts": len(prompts)}
-        with _cache_lock:
-            known = json.loads(path.read_text()) if path.is_file() else {}
-            known[key] = found
+        if key not in known:
+            prompts = [e.prompt for e in get_task("freeform").examples(CALIBRATION_PROMPTS)]
+            found = calibrate_pair(pair, config, "acceptance", acceptance, prompts).to_dict()
+            known[key] = found | {"prompts": len(prompts)}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(known, indent=1) + "\n")
-    return known[key]
+        return known[key]

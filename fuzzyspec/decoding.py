@@ -25,7 +25,7 @@ from .rules import FUZZY, RULES
 from .sampling import Sampling, raw_probs
 from .stats import Stats
 from .tree_rules import walk
-from .trees import TreeProposal, keep_path, tree_inputs
+from .trees import TreeProposal, keep_path, model_mask, tree_inputs
 
 METHODS = ("ar", "sd", "fsd", "fsd-hybrid")
 SCHEDULES = ("constant", "heuristic")
@@ -144,8 +144,8 @@ def _tree_step(target: torch.nn.Module, cache: DynamicCache, sequence: Tensor, p
     feed = sequence[:, cached:]
     m = feed.shape[1]
     mask, positions = tree_inputs(tree, cached, m)
-    out = target(input_ids=torch.cat([feed, tree.tokens[None]], 1), attention_mask=mask, position_ids=positions,
-                 past_key_values=cache, use_cache=True, logits_to_keep=len(tree) + 1,
+    out = target(input_ids=torch.cat([feed, tree.tokens[None]], 1), attention_mask=model_mask(target, mask),
+                 position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=len(tree) + 1,
                  output_hidden_states=wants_features)
     logits = out.logits[0, :, :vocab_size]  # row 0: the root, row i + 1: node i
     start = time.perf_counter()

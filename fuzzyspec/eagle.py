@@ -33,7 +33,7 @@ from .draftlm import cut_layers
 from .drafters import Proposal, common_prefix, draft_chain
 from .kvcache import crop_to
 from .sampling import Sampling
-from .trees import Tree, TreeProposal
+from .trees import Tree, TreeProposal, model_mask
 
 _MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
 
@@ -79,6 +79,8 @@ class EagleHead(nn.Module):
         if mask is None:
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
                                       past_key_values=cache, position_ids=positions, **extra)
+        else:
+            mask = model_mask(self, mask)
         return self.layers[0](hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
                               use_cache=cache is not None, position_embeddings=self.rotary_emb(hidden, positions),
                               **extra)

@@ -70,7 +70,7 @@ class Counters:
     accepted: int = 0
     target_forwards: int = 0
     steps: int = 0
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
+    recent: deque = field(default_factory=lambda: deque(maxlen=1024))  # (start, end, tokens) per step
 
 
 class Engine:
@@ -111,6 +111,12 @@ class Engine:
         if not self.alive:
             raise Unavailable("the engine is not running")
         with self._lock:
+            if len(self.waiting) >= self.max_queue:  # first let go of requests nobody waits for any more
+                now = time.monotonic()
+                dead = [r for r in self.waiting if r.cancelled or now > r.deadline]
+                for r in dead:
+                    self.waiting.remove(r)
+                    self._close(r, "timeout" if now > r.deadline else "cancelled")
             if len(self.waiting) >= self.max_queue:
                 self.counters.requests["rejected"] += 1
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting")
@@ -127,13 +133,13 @@ class Engine:
         return len(self.running)
 
     def tokens_per_s(self, window: float = 10.0) -> float:
-        """Generated tokens per second over the last ``window`` seconds of steps."""
+        """Tokens generated per second of wall time over the last ``window`` seconds (idle time included)."""
         now = time.monotonic()
-        recent = [(t, n) for t, n in list(self.counters.recent) if now - t <= window]
+        recent = [(start, n) for start, end, n in list(self.counters.recent) if now - end <= window]
         if not recent:
             return 0.0
-        span = max(now - recent[0][0], 1e-3)
-        return sum(n for _, n in recent) / span
+        elapsed = now - max(now - window, min(start for start, _ in recent))
+        return sum(n for _, n in recent) / max(elapsed, 1e-3)
 
     # -- the loop ------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -144,6 +150,7 @@ class Engine:
                 self._wake.clear()
                 continue
             try:
+                start = time.monotonic()
                 before = sum(len(row.tokens) for _, row, _ in self.running.values())
                 finished = self.decoder.step()
                 after = sum(len(row.tokens) for _, row, _ in self.running.values())
@@ -151,7 +158,7 @@ class Engine:
                 self._fail_all(error)
                 continue
             self.counters.steps += 1
-            self.counters.recent.append((time.monotonic(), after - before))
+            self.counters.recent.append((start, time.monotonic(), after - before))
             for row in finished:
                 self._finish(row)
         self._fail_all(Unavailable("the server is shutting down"))
@@ -191,7 +198,12 @@ class Engine:
         if tail:
             request.events.put(("text", tail))
         request.text, request.tokens, request.stats = stream.text, row.tokens, row.stats
-        reason = "cancelled" if request.cancelled else "timeout" if request.timed_out else row.finish_reason
+        # A row that ended on its own (EOS, stop string, length) keeps that reason even if its
+        # deadline passed or its client left in the same step.
+        ended = row.finish_reason == "length" or stream.stopped or (
+            bool(row.tokens) and row.tokens[-1] in row.config.eos_token_ids)
+        reason = row.finish_reason if ended else "timeout" if request.timed_out else "cancelled" \
+            if request.cancelled else row.finish_reason
         c = self.counters
         c.generated_tokens += len(row.tokens)
         c.proposed += row.stats.proposed

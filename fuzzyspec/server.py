@@ -154,10 +154,16 @@ class Server:
                        threshold=c.threshold if body.fsd_threshold is None else body.fsd_threshold,
                        temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                        top_k=body.top_k or 0, seed=body.seed, max_new_tokens=max_tokens, eos_token_ids=self.eos)
+        if body.seed is not None and not 0 <= body.seed < 2**63:
+            raise APIError(400, f"seed must be in [0, 2**63), got {body.seed}", "invalid_value", "seed")
         try:
-            return make_config(**options)
+            config = make_config(**options)
         except ValueError as error:
             raise APIError(400, str(error), "invalid_value") from None
+        if config.draft_only:
+            raise APIError(400, "fsd with an infinite threshold is the draft model alone; give a finite "
+                                "fsd_threshold", "invalid_value", "fsd_threshold")
+        return config
 
     async def _threshold(self, body: _Options, config: Any) -> Any:
         """Resolve ``target_acceptance`` into a threshold (calibrated once per setting, off the event loop)."""
@@ -169,15 +175,19 @@ class Server:
         if not 0 < body.target_acceptance < 1:
             raise APIError(400, f"target_acceptance must be in (0, 1), got {body.target_acceptance}",
                            "invalid_value", "target_acceptance")
-        found = await asyncio.get_running_loop().run_in_executor(
-            None, cached_calibration, self.pair, config, body.target_acceptance, dict(self.config.names))
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(
+                None, cached_calibration, self.pair, config, body.target_acceptance, dict(self.config.names))
+        except Exception as error:
+            raise APIError(500, f"calibrating the threshold failed: {error}", "calibration_failed",
+                           "target_acceptance", "server_error") from None
         return make_config(**{**_flat(config), "threshold": found["threshold"]})
 
     def _ids(self, prompt: str | list[dict], chat: bool, max_tokens: int) -> Any:
         try:
             ids = self.pair.encode(prompt, chat=chat)
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_value", "messages" if chat else "prompt") from None
+        except Exception as error:  # an empty prompt, or messages the chat template rejects
+            raise APIError(400, f"{error}", "invalid_value", "messages" if chat else "prompt") from None
         if ids.shape[1] + max_tokens > self.context:
             raise APIError(400, f"the prompt ({ids.shape[1]} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                 f"model's context of {self.context} tokens", "context_length_exceeded",
@@ -186,6 +196,7 @@ class Server:
 
     # -- running it ----------------------------------------------------------------------------------
     async def handle(self, http: Request, body: _Options, chat: bool) -> Response:
+        deadline = time.monotonic() + self.config.request_timeout  # from arrival: calibration counts too
         max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None \
             else body.max_tokens
         config = self._decode_config(body, max_tokens)
@@ -203,8 +214,9 @@ class Server:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        request = EngineRequest(ids, config, tuple(stop), deadline=time.monotonic() + self.config.request_timeout,
-                                events=_ThreadSafe(loop, events))
+        request = EngineRequest(ids, config, tuple(stop), deadline=deadline, events=_ThreadSafe(loop, events))
+        if await http.is_disconnected():  # gone while the request was being prepared: nothing to run
+            raise APIError(400, "the client disconnected", "client_disconnected")
         try:
             self.engine.submit(request)
         except QueueFull as error:
@@ -227,44 +239,55 @@ class Server:
 
     async def _events(self, http: Request, request: EngineRequest, events: asyncio.Queue
                       ) -> AsyncIterator[tuple[str, Any]]:
-        """The engine's events for one request, until it is done; cancels it if the client leaves
-        (checked twice a second) or if it outlives its deadline while still queued."""
+        """The engine's events for one request until it is done. Twice a second (whether or not events
+        come) it checks that the client is still there and that a queued request is not overdue, and
+        cancels the request if not."""
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     kind, payload = await asyncio.wait_for(events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() - checked >= 0.5:
+                    checked = time.monotonic()
                     if await http.is_disconnected():
                         request.cancel()
                         return
-                    if time.monotonic() > request.deadline + 1.0:
+                    if checked > request.deadline + 1.0:  # the engine did not get to it in time
+                        request.timed_out = True
                         request.cancel()
                         request.finish_reason = "timeout"
                         return
+                if kind is None:
                     continue
                 yield kind, payload
                 if kind in ("done", "error"):
                     return
         finally:
             if request.finish_reason is None:
-                request.cancel()  # the client went away (or the handler was cancelled): free the row
+                request.cancel()  # the handler was cancelled (the client went away): free the row
 
     async def _stream(self, http: Request, request: EngineRequest, events: asyncio.Queue, reply: "_Reply",
                       usage: bool) -> AsyncIterator[bytes]:
-        yield _sse(reply.chunk(role=True))
-        async for kind, payload in self._events(http, request, events):
-            if kind == "text":
-                yield _sse(reply.chunk(text=payload))
-            elif kind == "error":
-                yield _sse({"error": {"message": payload, "type": "server_error", "code": "engine_error"}})
-        if request.finish_reason == "timeout":
-            yield _sse({"error": {"message": f"the request ran out of time ({self.config.request_timeout:g} s)",
-                                  "type": "server_error", "code": "timeout"}})
-        elif request.finish_reason in ("stop", "length"):
-            yield _sse(reply.chunk(finish_reason=request.finish_reason))
-            if usage:
-                yield _sse(reply.chunk(usage=reply.usage(request)))
-        yield b"data: [DONE]\n\n"
+        try:
+            yield _sse(reply.chunk(role=True))
+            async for kind, payload in self._events(http, request, events):
+                if kind == "text":
+                    yield _sse(reply.chunk(text=payload))
+                elif kind == "error":
+                    yield _sse({"error": {"message": payload, "type": "server_error", "code": "engine_error"}})
+            if request.finish_reason == "timeout":
+                yield _sse({"error": {"message": f"the request ran out of time ({self.config.request_timeout:g} s)",
+                                      "type": "server_error", "code": "timeout"}})
+            elif request.finish_reason in ("stop", "length"):
+                yield _sse(reply.chunk(finish_reason=request.finish_reason))
+                if usage:
+                    yield _sse(reply.chunk(usage=reply.usage(request)))
+            yield b"data: [DONE]\n\n"
+        finally:  # also when the stream is closed before its first chunk went out
+            if request.finish_reason is None:
+                request.cancel()
 
     # -- metrics ---------------------------------------------------------------------------------------
     def metrics(self) -> str:
@@ -383,6 +406,11 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error",
+                        kind="server_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:

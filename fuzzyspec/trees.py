@@ -67,8 +67,7 @@ class TreeProposal:
     logits: Tensor  # [n + 1, V] the draft's raw logits behind q (zeros where q is)
 
 
-def tree_inputs(tree: Tree, cached: int, feed_len: int, dtype: torch.dtype = torch.bool
-                ) -> tuple[Tensor, Tensor]:
+def tree_inputs(tree: Tree, cached: int, feed_len: int) -> tuple[Tensor, Tensor]:
     """The 4D attention mask [1, 1, q, cached + q] (True: may attend) and position ids [1, q] for
     one pass over ``feed_len`` ordinary tokens (ending with the root) followed by the tree's nodes."""
     n, device = len(tree), tree.parents.device
@@ -81,9 +80,21 @@ def tree_inputs(tree: Tree, cached: int, feed_len: int, dtype: torch.dtype = tor
     mask[feed_len:, cached + feed_len:] = tree.ancestors()
     root_position = cached + feed_len - 1
     positions = torch.cat([torch.arange(cached, cached + feed_len, device=device), root_position + tree.depth])
-    if dtype != torch.bool:  # an additive mask
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask[None, None], positions[None]
+
+
+def model_mask(model: torch.nn.Module, allowed: Tensor) -> Tensor:
+    """A 4D mask ``allowed`` (True: may attend) in the form ``model``'s attention takes it: as it is for
+    SDPA, additive for eager attention (which would add a boolean mask to the scores, masking nothing)."""
+    implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"trees and batching need custom attention masks, which {implementation!r} attention does "
+                     "not take: load the model with attn_implementation='sdpa' or 'eager'")
 
 
 def tree_forward(model: torch.nn.Module, cache: DynamicCache, feed: Tensor, tree: Tree) -> Tensor:
@@ -92,8 +103,8 @@ def tree_forward(model: torch.nn.Module, cache: DynamicCache, feed: Tensor, tree
     cached = cache.get_seq_length()
     mask, positions = tree_inputs(tree, cached, feed.shape[1])
     tokens = torch.cat([feed, tree.tokens[None]], 1)
-    return model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                 use_cache=True).logits
+    return model(input_ids=tokens, attention_mask=model_mask(model, mask), position_ids=positions,
+                 past_key_values=cache, use_cache=True).logits
 
 
 def keep_path(cache: DynamicCache, base: int, path: list[int]) -> None:

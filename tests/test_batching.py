@@ -127,3 +127,53 @@ def test_a_decoder_is_reused_after_its_batch_empties(target, draft):
         while decoder.rows:
             decoder.step()
         assert row.tokens == alone(target, draft, prompt, config)[0]
+
+
+def test_draft_only_and_failed_adds_leave_the_batch_intact(target, draft, monkeypatch):
+    decoder = BatchDecoder(target, draft, V)
+    with pytest.raises(ValueError, match="finite threshold"):
+        decoder.add(torch.tensor([[1, 2]]), DecodeConfig(method="fsd", threshold=float("inf")))
+    config = DecodeConfig(method="sd", max_new_tokens=15)
+    row = decoder.add(torch.tensor([PROMPTS[0]]), config)
+    decoder.step()
+    original = type(draft).forward
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(type(draft), "forward", broken)  # the draft prefill of the next prompt fails
+    with pytest.raises(RuntimeError):
+        decoder.add(torch.tensor([PROMPTS[2]]), config)
+    monkeypatch.setattr(type(draft), "forward", original)
+    while decoder.rows:
+        decoder.step()
+    assert row.tokens == alone(target, draft, PROMPTS[0], config)[0]
+
+
+def test_pending_draft_tokens_pile_up_while_no_row_drafts(target, draft):
+    """An AR-only batch feeds the draft nothing; a drafting row joining later makes it catch up."""
+    decoder = BatchDecoder(target, draft, V, compact_after=2)
+    ar = decoder.add(torch.tensor([PROMPTS[0]]), DecodeConfig(method="ar", max_new_tokens=30))
+    for _ in range(6):
+        decoder.step()
+    fsd = decoder.add(torch.tensor([PROMPTS[2]]), DecodeConfig(method="fsd", threshold=0.3, max_new_tokens=30))
+    compactions = []
+    original = PaddedCache.compact
+    PaddedCache.compact = lambda self: (compactions.append(1), original(self))[1]
+    try:
+        while decoder.rows:
+            decoder.step()
+    finally:
+        PaddedCache.compact = original
+    assert ar.tokens == alone(target, draft, PROMPTS[0], ar.config)[0]
+    assert fsd.tokens == alone(target, draft, PROMPTS[2], fsd.config)[0]
+    assert compactions  # the holes of rejected drafts were packed away on the way
+
+
+def test_eager_attention_gets_an_additive_mask(draft):
+    from conftest import tiny_llama
+    eager = tiny_llama(seed=0)
+    eager.set_attn_implementation("eager")
+    configs = [DecodeConfig(method="fsd", threshold=0.3, max_new_tokens=20) for _ in PROMPTS]
+    batched = decode_batch(eager, draft, [torch.tensor([p]) for p in PROMPTS], configs, V)
+    for prompt, config, (tokens, _) in zip(PROMPTS, configs, batched):
+        assert tokens == alone(eager, draft, prompt, config)[0]

@@ -1,12 +1,19 @@
-import re
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fuzzyspec.calibrate import (Measurement, calibrate, check_request, estimate, estimate_threshold, running_max,
-                                 sample_measure)
+from fuzzyspec.calibrate import (
+    Measurement,
+    calibrate,
+    check_request,
+    estimate,
+    estimate_threshold,
+    running_max,
+    sample_measure,
+)
 from fuzzyspec.decoding import DecodeConfig, decode
 from fuzzyspec.drafters import ModelDrafter
 from fuzzyspec.sampling import Sampling

@@ -9,7 +9,8 @@ def test_pareto_front():
 
 
 def test_plot_writes_a_png(tmp_path):
-    rows = [{"rule": "ar", "method": "ar", "divergence": None, "threshold": None, "tokens_per_s": 40.0, "accuracy": 0.5},
+    rows = [{"rule": "ar", "method": "ar", "divergence": None, "threshold": None, "tokens_per_s": 40.0,
+             "accuracy": 0.5},
             {"rule": "sd", "method": "default", "divergence": None, "threshold": None, "tokens_per_s": 42.0,
              "accuracy": 0.5}]
     rows += [{"rule": "fsd", "method": "default", "divergence": "js", "threshold": t, "tokens_per_s": 40 + 50 * t,

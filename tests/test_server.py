@@ -227,3 +227,25 @@ def test_a_full_queue_answers_429_and_slow_requests_504(tiny_dirs):
         assert counts['fuzzyspec_requests_total{outcome="timeout"}'] == 2
     finally:
         running.stop()
+
+
+def test_an_infinite_threshold_is_refused(server):
+    reply = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "x", '
+                       b'"fsd_threshold": Infinity}', headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "infinite threshold" in reply.json()["error"]["message"]
+
+
+def test_a_client_leaving_a_plain_request_frees_its_row(tiny_dirs):
+    running = Running(tiny_dirs, max_batch=1, max_queue=1)
+    try:
+        running.slow_down(0.05)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.5 s and closes the connection
+            httpx.post(running.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 400},
+                       timeout=0.5)
+        deadline = time.time() + 20
+        while running.metric("requests_total").get('fuzzyspec_requests_total{outcome="cancelled"}', 0) < 1:
+            assert time.time() < deadline, "the abandoned request kept its row"
+            time.sleep(0.1)
+        assert running.metric("active_requests")["fuzzyspec_active_requests"] == 0
+    finally:
+        running.stop()
