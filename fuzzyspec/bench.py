@@ -244,10 +244,20 @@ class Sweep:
             references[example_id] = tokens
             _append_jsonl(self.out / "greedy_reference.jsonl", {"id": example_id, "tokens": tokens})
 
+    def _all_specs(self, specs: list[Spec]) -> list[Spec]:
+        """These rows after every row an earlier run of this folder asked for (kept in specs.json), so
+        that the folder's results always hold all of its rows."""
+        path = self.out / "specs.json"
+        known = [Spec(**spec) for spec in json.loads(path.read_text())] if path.is_file() else []
+        merged = list({spec.key: spec for spec in known + specs}.values())
+        path.write_text(json.dumps([dataclasses.asdict(spec) for spec in merged], indent=1) + "\n")
+        return merged
+
     def run(self, specs: list[Spec]) -> list[dict]:
-        """Run every row not yet finished (with one progress bar over all their examples); return all rows.
-        A greedy AR row runs first, so that its outputs can serve as the greedy reference."""
-        specs = sorted(specs, key=lambda spec: not self._is_greedy_ar(spec))
+        """Run every row not yet finished (with one progress bar over all their examples); return all the
+        folder's finished rows. A greedy AR row runs first, so that its outputs can serve as the greedy
+        reference."""
+        specs = sorted(self._all_specs(specs), key=lambda spec: not self._is_greedy_ar(spec))
         done = {spec.key: {r["id"]: r for r in _read_jsonl(self.out / "generations" / spec.file_name)}
                 for spec in specs}
         todo = sum(len([e for e in self.examples if e.id not in done[s.key]]) for s in specs)

@@ -99,6 +99,10 @@ def test_a_sweep_resumes_without_redoing_rows(tmp_path, task_file, tiny_dirs, mo
     assert len(calls) == 2 + 4 + 1  # 2 missing examples, the new row's 4, one warm-up
     assert [r["key"] for r in rows] == [s.key for s in more]
     assert rows[1]["new_tokens"] == first[1]["new_tokens"]  # greedy: the redone examples match
+    # A later run naming fewer rows still reports (and writes) all of the folder's rows.
+    again = Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False).run(more[:1])
+    assert [r["key"] for r in again] == [s.key for s in more]
+    assert len(json.loads((tmp_path / "results.json").read_text())["rows"]) == len(more)
 
 
 def test_a_sweep_folder_refuses_other_settings(tmp_path, task_file, tiny_dirs):
