@@ -34,19 +34,7 @@ import torch
 from fuzzyspec.api import ModelPair
 from fuzzyspec.data import prompts, read_sharegpt, split
 from fuzzyspec.loading import load_draft
-
-
-def target_nll(pair: ModelPair, ids: torch.Tensor, tokens: list[int]) -> float:
-    """Mean negative log-likelihood per token of ``tokens`` after ``ids`` under the target."""
-    full = torch.cat([ids, torch.tensor([tokens], device=ids.device)], 1)
-    with torch.inference_mode():
-        logits = pair.target(full, logits_to_keep=len(tokens) + 1).logits[0, :-1].float()
-    return float(torch.nn.functional.cross_entropy(logits, full[0, -len(tokens):]))
-
-
-def first_difference(tokens: list[int], reference: list[int]) -> float:
-    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
-    return same / max(len(reference), 1)
+from fuzzyspec.quality import first_difference, target_nll
 
 
 def main() -> None:
@@ -107,8 +95,8 @@ def main() -> None:
             row["forwards"] += result.stats.target_forwards
             outputs[name] = result.tokens
         for name, tokens in outputs.items():  # quality, outside the timed calls
-            totals[name]["prefix"] += first_difference(tokens, outputs["AR"])
-            totals[name]["nll"] += target_nll(draft_lm, ids, tokens)
+            totals[name]["prefix"] += first_difference(tokens, outputs["AR"]) / max(len(outputs["AR"]), 1)
+            totals[name]["nll"] += target_nll(draft_lm.target, ids, tokens, draft_lm.vocab_size)
         print(f"[{i + 1}/{len(texts)}] done", file=sys.stderr, flush=True)
 
     ar_speed = totals["AR"]["tokens"] / totals["AR"]["seconds"]

@@ -142,7 +142,6 @@ def _prefill(model: torch.nn.Module, tokens: Tensor) -> PaddedCache:
 class Row:
     """One sequence of the batch and everything that decides and records its decoding."""
 
-    prompt_len: int
     config: DecodeConfig
     on_tokens: Callback | None
     generator: torch.Generator
@@ -170,8 +169,6 @@ class BatchDecoder:
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
         self.compact_after = compact_after  # holes per row tolerated before compacting
         self.rows: list[Row] = []
-        self.draft_forwards = 0
-        self._draft_length = 0  # the draft cache's length before this step's drafting
         device = target.get_input_embeddings().weight.device
         self.device = device
         self.target_cache = PaddedCache(valid=torch.zeros(0, 0, dtype=torch.bool, device=device))
@@ -203,7 +200,7 @@ class BatchDecoder:
         self.target_cache.extend(target_rows)
         if draft_rows is not None:
             self.draft_cache.extend(draft_rows)
-        row = Row(input_ids.shape[1], config, on_tokens, generator, Stats(method=config.method), time.perf_counter(),
+        row = Row(config, on_tokens, generator, Stats(method=config.method), time.perf_counter(),
                   target_pending=[last], draft_pending=[last])
         self.rows.append(row)
         return row
@@ -218,6 +215,7 @@ class BatchDecoder:
         counts = [0 if row.config.method == "ar" or self.draft is None else min(row.config.gamma, row.remaining - 1)
                   for row in self.rows]
         k = max(counts)
+        draft_length = self.draft_cache.valid.shape[1]  # before this step's drafting
         if k:
             width = max(len(row.draft_pending) for row in self.rows)
             drafts, draft_logits = self._draft(counts, k, width)
@@ -238,7 +236,7 @@ class BatchDecoder:
             self.target_cache.drop(b, target_length + 1 + accepted)
             new = row_drafts[0, :accepted].tolist() + [next_token]
             if k:  # the draft was fed its pending tokens (right-aligned in ``width``) and drafts 1..k-1
-                self.draft_cache.drop(b, self._draft_length + width + min(accepted, k - 1))
+                self.draft_cache.drop(b, draft_length + width + min(accepted, k - 1))
                 row.draft_pending = ([int(drafts[b, k - 1])] if accepted == k else []) + [next_token]
             else:
                 row.draft_pending = row.draft_pending + [next_token]
@@ -260,7 +258,6 @@ class BatchDecoder:
         """k draft tokens per row ([B, k]) and the draft's raw logits behind them ([B, k, V]). Row b
         picks its first counts[b] tokens under its own sampling and generator (as ``decode`` would);
         later ones, which it will ignore, are the draft's argmax and use no random numbers."""
-        self._draft_length = self.draft_cache.valid.shape[1]
         pending = torch.zeros(len(self.rows), width, dtype=torch.long, device=self.device)
         real = torch.zeros(len(self.rows), width, dtype=torch.bool, device=self.device)
         for b, row in enumerate(self.rows):
@@ -281,7 +278,6 @@ class BatchDecoder:
                 feed = token[:, None]
                 logits = self.draft_cache.forward(self.draft, feed, torch.ones_like(feed, dtype=torch.bool), 1)
                 logits = logits[:, -1, : self.vocab_size]
-            self.draft_forwards += 1
         return torch.stack(tokens, 1), torch.stack(all_logits, 1)
 
     def _verify(self, row: Row, logits: Tensor, drafts: Tensor, draft_logits: Tensor) -> tuple[int, int]:

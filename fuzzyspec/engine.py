@@ -45,7 +45,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     stats: Stats | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "timeout"
-    submitted: float = field(default_factory=time.monotonic)
     timed_out: bool = False
     _cancelled: threading.Event = field(default_factory=threading.Event)
 

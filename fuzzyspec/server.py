@@ -10,6 +10,7 @@ engine is down and 504 when a request runs out of time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -181,7 +182,7 @@ class Server:
         except Exception as error:
             raise APIError(500, f"calibrating the threshold failed: {error}", "calibration_failed",
                            "target_acceptance", "server_error") from None
-        return make_config(**{**_flat(config), "threshold": found["threshold"]})
+        return dataclasses.replace(config, threshold=found["threshold"])
 
     def _ids(self, prompt: str | list[dict], chat: bool, max_tokens: int) -> Any:
         try:
@@ -383,13 +384,6 @@ class _Reply:
 
 def _sse(body: dict) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
-
-
-def _flat(config: Any) -> dict:
-    """A DecodeConfig back into ``make_config`` keywords."""
-    options = {k: getattr(config, k) for k in config.__dataclass_fields__ if k != "sampling"}
-    s = config.sampling
-    return options | {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
 
 def create_app(server: Server) -> FastAPI:
