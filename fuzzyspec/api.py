@@ -11,7 +11,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .decoding import DecodeConfig, decode
 from .drafters import Drafter, ModelDrafter
-from .eagle import EagleDrafter, EagleHead, EagleTreeDrafter
+from .eagle import HEADS, EagleDrafter, EagleHead, EagleTreeDrafter
+from .eagle3 import Eagle3Head
 from .hf import eos_token_ids
 from .loading import load_draft, load_model, shared_vocab_size
 from .sampling import Sampling
@@ -55,11 +56,11 @@ class ModelPair:
     """A target model, its tokenizer and an optional draft model sharing its vocabulary."""
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 draft: PreTrainedModel | EagleHead | None = None) -> None:
+                 draft: PreTrainedModel | EagleHead | Eagle3Head | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.draft = draft
-        self.vocab_size = shared_vocab_size(target, None if isinstance(draft, EagleHead) else draft, tokenizer)
+        self.vocab_size = shared_vocab_size(target, None if isinstance(draft, HEADS) else draft, tokenizer)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = DEFAULT_DRAFT,
@@ -78,7 +79,7 @@ class ModelPair:
             return None
         if self.draft is None:
             raise ValueError(f"method {config.method!r} needs a draft model")
-        if isinstance(self.draft, EagleHead):
+        if isinstance(self.draft, HEADS):
             if config.tree:
                 return EagleTreeDrafter(self.draft, self.target, self.vocab_size, config.tree_total_tokens,
                                         config.tree_depth, config.tree_top_k)

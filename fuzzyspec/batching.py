@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from .decoding import DecodeConfig, _divergences
 from .rules import FUZZY, RULES
+from .sampling import sample
 from .stats import Stats
 from .trees import model_mask
 
@@ -130,11 +131,11 @@ def _left_pad(mask: Tensor, length: int) -> Tensor:
     return torch.cat([mask.new_zeros(mask.shape[0], length - mask.shape[1]), mask], 1)
 
 
-def _prefill(model: torch.nn.Module, tokens: Tensor) -> PaddedCache:
-    """A one-row cache holding ``tokens`` [1, n] (n may be 0)."""
-    cache = PaddedCache(valid=torch.zeros(1, 0, dtype=torch.bool, device=tokens.device))
+def _prefill(model: torch.nn.Module, tokens: Tensor, real: Tensor) -> PaddedCache:
+    """A cache of ``tokens`` [b, n] (n may be 0), of which ``real`` [b, n] are valid (left padding is not)."""
+    cache = PaddedCache(valid=torch.zeros(tokens.shape[0], 0, dtype=torch.bool, device=tokens.device))
     if tokens.shape[1]:
-        cache.forward(model, tokens, torch.ones_like(tokens, dtype=torch.bool), 1)
+        cache.forward(model, tokens, real, 1)
     return cache
 
 
@@ -162,21 +163,30 @@ class Row:
 
 
 class BatchDecoder:
-    """Continuous batched decoding of AR, SD, FSD and FSD-hybrid rows with an optional draft LM."""
+    """Continuous batched decoding of AR, SD, FSD and FSD-hybrid rows with an optional draft LM.
+
+    ``slots`` are the cache rows in order; a finished row leaves its slot empty (None) until enough
+    slots are empty to be worth the copy of dropping them from the caches (``retire_fraction``).
+    ``rows`` are the rows still decoding.
+    """
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, vocab_size: int,
-                 compact_after: int = 64) -> None:
+                 compact_after: int = 64, retire_fraction: float = 0.25) -> None:
         self.target, self.draft, self.vocab_size = target, draft, vocab_size
         self.compact_after = compact_after  # holes per row tolerated before compacting
-        self.rows: list[Row] = []
+        self.retire_fraction = retire_fraction
+        self.slots: list[Row | None] = []
         device = target.get_input_embeddings().weight.device
         self.device = device
+        self.draft_vocab = getattr(draft, "draft_vocab", None)
         self.target_cache = PaddedCache(valid=torch.zeros(0, 0, dtype=torch.bool, device=device))
         self.draft_cache = PaddedCache(valid=torch.zeros(0, 0, dtype=torch.bool, device=device))
 
-    @torch.inference_mode()
-    def add(self, input_ids: Tensor, config: DecodeConfig, on_tokens: Callback | None = None) -> Row:
-        """Start decoding ``input_ids`` ([1, L]) under ``config``; it runs with the next ``step``."""
+    @property
+    def rows(self) -> list[Row]:
+        return [row for row in self.slots if row is not None]
+
+    def _check(self, input_ids: Tensor, config: DecodeConfig) -> None:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
             raise ValueError("add takes one prompt of at least one token, shaped [1, L]")
         if config.method != "ar" and self.draft is None:
@@ -187,54 +197,101 @@ class BatchDecoder:
         if config.draft_only:
             raise ValueError("fsd with T = inf is the draft model decoding alone; batched decoding needs a "
                              "finite threshold")
-        input_ids = input_ids.to(self.device)
-        generator = torch.Generator(device=self.device)
-        if config.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(config.seed)
+
+    @torch.inference_mode()
+    def add(self, input_ids: Tensor, config: DecodeConfig, on_tokens: Callback | None = None) -> Row:
+        """Start decoding ``input_ids`` ([1, L]) under ``config``; it runs with the next ``step``."""
+        return self.add_many([input_ids], [config], [on_tokens])[0]
+
+    @torch.inference_mode()
+    def add_many(self, prompts: list[Tensor], configs: list[DecodeConfig],
+                 callbacks: list[Callback | None] | None = None) -> list[Row]:
+        """Start decoding several prompts ([1, L] each), prefilled together in one left-padded pass."""
+        for input_ids, config in zip(prompts, configs, strict=True):
+            self._check(input_ids, config)
+        callbacks = callbacks or [None] * len(prompts)
+        prompts = [input_ids.to(self.device) for input_ids in prompts]
         # Everything but the last prompt token goes into the caches now; the last is fed at the first step.
-        head, last = input_ids[:, :-1], int(input_ids[0, -1])
-        target_rows = _prefill(self.target, head)  # both before either joins: a failure leaves the batch as it was
-        draft_rows = _prefill(self.draft, head) if self.draft is not None else None
+        width = max(input_ids.shape[1] for input_ids in prompts) - 1
+        heads = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        real = torch.zeros(len(prompts), width, dtype=torch.bool, device=self.device)
+        for b, input_ids in enumerate(prompts):
+            n = input_ids.shape[1] - 1
+            if n:
+                heads[b, width - n:] = input_ids[0, :-1]
+                real[b, width - n:] = True
+        target_rows = _prefill(self.target, heads, real)  # both before either joins: a failure leaves the batch as it was
+        draft_rows = _prefill(self.draft, heads, real) if self.draft is not None else None
+        self._retire(everything=True)
         self.target_cache.extend(target_rows)
         if draft_rows is not None:
             self.draft_cache.extend(draft_rows)
-        row = Row(config, on_tokens, generator, Stats(method=config.method), time.perf_counter(),
-                  target_pending=[last], draft_pending=[last])
-        self.rows.append(row)
-        return row
+        added = []
+        for input_ids, config, on_tokens in zip(prompts, configs, callbacks):
+            generator = torch.Generator(device=self.device)
+            if config.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(config.seed)
+            last = int(input_ids[0, -1])
+            row = Row(config, on_tokens, generator, Stats(method=config.method), time.perf_counter(),
+                      target_pending=[last], draft_pending=[last])
+            self.slots.append(row)
+            added.append(row)
+        return added
+
+    def _retire(self, everything: bool = False) -> None:
+        """Drop empty slots from the caches: all of them, or once they are ``retire_fraction`` of the batch."""
+        empty = sum(row is None for row in self.slots)
+        if not empty or (not everything and empty < max(1, self.retire_fraction * len(self.slots))
+                         and empty < len(self.slots)):
+            return
+        keep = torch.tensor([i for i, row in enumerate(self.slots) if row is not None], dtype=torch.long)
+        self.slots = [row for row in self.slots if row is not None]
+        self.target_cache.select(keep)
+        if self.draft is not None:
+            self.draft_cache.select(keep)
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """One draft-and-verify round for every row; returns the rows that finished (they leave the batch)."""
         if not self.rows:
             return []
+        live = torch.tensor([row is not None for row in self.slots], device=self.device)
         # Drafts per row, as decode would choose them: none for AR, at most remaining - 1 (the step
         # adds one target token). The batch drafts the largest count; rows ignore drafts past theirs.
-        counts = [0 if row.config.method == "ar" or self.draft is None else min(row.config.gamma, row.remaining - 1)
-                  for row in self.rows]
+        counts = [0 if row is None or row.config.method == "ar" or self.draft is None
+                  else min(row.config.gamma, row.remaining - 1) for row in self.slots]
         k = max(counts)
         draft_length = self.draft_cache.valid.shape[1]  # before this step's drafting
         if k:
             width = max(len(row.draft_pending) for row in self.rows)
             drafts, draft_logits = self._draft(counts, k, width)
         target_length = self.target_cache.valid.shape[1]
-        feed = torch.tensor([row.target_pending for row in self.rows], device=self.device)
+        feed = torch.tensor([row.target_pending if row is not None else [0] for row in self.slots],
+                            device=self.device)
         if k:
             feed = torch.cat([feed, drafts], 1)
-        logits = self.target_cache.forward(self.target, feed, torch.ones_like(feed, dtype=torch.bool), k + 1)
+        feed_valid = live[:, None].expand(-1, feed.shape[1]).contiguous()
+        logits = self.target_cache.forward(self.target, feed, feed_valid, k + 1)
         logits = logits[..., : self.vocab_size]
-        for b, (row, count) in enumerate(zip(self.rows, counts)):
-            start = time.perf_counter()
-            row_drafts = drafts[b: b + 1, :count] if k else feed[b: b + 1, :0]
-            row_draft_logits = draft_logits[b: b + 1, :count] if k else logits[b: b + 1, :0]
-            accepted, next_token = self._verify(row, logits[b: b + 1, : count + 1], row_drafts, row_draft_logits)
-            row.stats.accept_s += time.perf_counter() - start
+        verdicts = self._verify_ar(logits, counts)
+        for b, (row, count) in enumerate(zip(self.slots, counts)):
+            if row is None:
+                continue
+            if b in verdicts:
+                accepted, next_token = 0, verdicts[b]
+            else:
+                start = time.perf_counter()
+                row_drafts = drafts[b: b + 1, :count] if k else feed[b: b + 1, :0]
+                row_draft_logits = draft_logits[b: b + 1, :count] if k else logits[b: b + 1, :0]
+                accepted, next_token = self._verify(row, logits[b: b + 1, : count + 1], row_drafts,
+                                                    row_draft_logits)
+                row.stats.accept_s += time.perf_counter() - start
             row.stats.draft_forwards += k if count else 0
             # Keep the fed newest token and the accepted drafts; the step's other positions go.
             self.target_cache.drop(b, target_length + 1 + accepted)
-            new = row_drafts[0, :accepted].tolist() + [next_token]
+            new = (drafts[b, :accepted].tolist() if accepted else []) + [next_token]
             if k:  # the draft was fed its pending tokens (right-aligned in ``width``) and drafts 1..k-1
                 self.draft_cache.drop(b, draft_length + width + min(accepted, k - 1))
                 row.draft_pending = ([int(drafts[b, k - 1])] if accepted == k else []) + [next_token]
@@ -242,42 +299,63 @@ class BatchDecoder:
                 row.draft_pending = row.draft_pending + [next_token]
             row.target_pending = [next_token]
             self._emit(row, new)
-        finished = [row for row in self.rows if row.done]
-        if finished:
-            keep = torch.tensor([i for i, row in enumerate(self.rows) if not row.done], dtype=torch.long)
-            self.rows = [row for row in self.rows if not row.done]
-            self.target_cache.select(keep)
-            if self.draft is not None:
-                self.draft_cache.select(keep)
+        finished = [row for row in self.slots if row is not None and row.done]
+        self.slots = [None if row is None or row.done else row for row in self.slots]
+        self._retire()
         for cache in (self.target_cache, self.draft_cache):
             if cache.rows and cache.holes > self.compact_after:
                 cache.compact()
         return finished
 
+    def _verify_ar(self, logits: Tensor, counts: list[int]) -> dict[int, int]:
+        """Next tokens of the AR rows (no drafts), all at once: {slot: token}. Greedy rows take the argmax;
+        sampling rows draw from their own processed distribution with their own generator."""
+        ar = [b for b, (row, count) in enumerate(zip(self.slots, counts)) if row is not None and count == 0]
+        if not ar:
+            return {}
+        last = logits[ar, 0]
+        tokens = last.argmax(-1)
+        by_sampling: dict = {}
+        for i, b in enumerate(ar):
+            if not self.slots[b].config.sampling.greedy:
+                by_sampling.setdefault(self.slots[b].config.sampling, []).append(i)
+        for sampling, members in by_sampling.items():
+            probs = sampling.probs(last[members])
+            for j, i in enumerate(members):
+                tokens[i] = sample(probs[j], self.slots[ar[i]].generator)
+        for b in ar:
+            self.slots[b].stats.target_forwards += 1
+            self.slots[b].stats.record_step(0, 0, None)
+        return dict(zip(ar, tokens.tolist()))
+
     def _draft(self, counts: list[int], k: int, width: int) -> tuple[Tensor, Tensor]:
-        """k draft tokens per row ([B, k]) and the draft's raw logits behind them ([B, k, V]). Row b
-        picks its first counts[b] tokens under its own sampling and generator (as ``decode`` would);
+        """k draft tokens per row ([B, k], target ids) and the draft's raw logits behind them ([B, k, N]).
+        Row b picks its first counts[b] tokens under its own sampling and generator (as ``decode`` would);
         later ones, which it will ignore, are the draft's argmax and use no random numbers."""
-        pending = torch.zeros(len(self.rows), width, dtype=torch.long, device=self.device)
-        real = torch.zeros(len(self.rows), width, dtype=torch.bool, device=self.device)
-        for b, row in enumerate(self.rows):
+        pending = torch.zeros(len(self.slots), width, dtype=torch.long, device=self.device)
+        real = torch.zeros(len(self.slots), width, dtype=torch.bool, device=self.device)
+        for b, row in enumerate(self.slots):
+            if row is None:
+                continue
             n = len(row.draft_pending)
             pending[b, width - n:] = torch.tensor(row.draft_pending, device=self.device)
             real[b, width - n:] = True
-        logits = self.draft_cache.forward(self.draft, pending, real, 1)[:, -1, : self.vocab_size]
+        columns = None if self.draft_vocab is not None else self.vocab_size
+        logits = self.draft_cache.forward(self.draft, pending, real, 1)[:, -1, :columns]
         tokens, all_logits = [], []
         for i in range(k):
             token = logits.argmax(-1)
-            for b, (row, count) in enumerate(zip(self.rows, counts)):
-                if i < count and not row.config.sampling.greedy:
+            for b, (row, count) in enumerate(zip(self.slots, counts)):
+                if row is not None and i < count and not row.config.sampling.greedy:
                     sampling = row.config.sampling
                     token[b] = sampling.pick(logits[b: b + 1], sampling.probs(logits[b: b + 1]), row.generator)[0]
+            if self.draft_vocab is not None:
+                token = self.draft_vocab.to_target(token)
             tokens.append(token)
             all_logits.append(logits)
             if i + 1 < k:
                 feed = token[:, None]
-                logits = self.draft_cache.forward(self.draft, feed, torch.ones_like(feed, dtype=torch.bool), 1)
-                logits = logits[:, -1, : self.vocab_size]
+                logits = self.draft_cache.forward(self.draft, feed, real[:, -1:].clone(), 1)[:, -1, :columns]
         return torch.stack(tokens, 1), torch.stack(all_logits, 1)
 
     def _verify(self, row: Row, logits: Tensor, drafts: Tensor, draft_logits: Tensor) -> tuple[int, int]:
@@ -285,6 +363,8 @@ class BatchDecoder:
         config, sampling = row.config, row.config.sampling
         p = sampling.probs(logits)
         q = sampling.probs(draft_logits)
+        if self.draft_vocab is not None and drafts.shape[1]:
+            draft_logits, q = self.draft_vocab.expand(draft_logits, float("-inf")), self.draft_vocab.expand(q)
         k = drafts.shape[1]
         d = _divergences(config, logits[:, :k], p[:, :k], draft_logits, q) if config.method in FUZZY else None
         rule = RULES["sd" if config.method == "ar" else config.method]

@@ -18,7 +18,8 @@ from .decoding import METHODS, SCHEDULES
 from .divergences import ALIASES, NAMES, canonical_name
 from .rules import FUZZY
 from .tasks import TASKS, get_task
-from .train import KINDS, TrainConfig, train
+from .selfdistill import AnswerSettings
+from .train import DEFAULT_DRAFT_VOCAB, KINDS, TrainConfig, train
 
 CALIBRATED_DIVERGENCES = "js,js_legacy,kl_pq,kl_qp,tv,hellinger"
 BENCH_ACCEPTANCE = "0.3,0.5,0.7,0.9"
@@ -179,29 +180,95 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take, queueing included; then HTTP 504 (default: 300)")
 
-    train = commands.add_parser("train", help="train a drafter for a target on ShareGPT")
-    train.add_argument("kind", choices=KINDS, help="eagle: an EAGLE head; draft: a small draft LM")
-    train.add_argument("--out", required=True, help="output folder (a run there is resumed)")
-    train.add_argument("--target", default=None, help="HF id, folder or .gguf file (default: embedded)")
-    train.add_argument("--device", default="cpu")
-    train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                       help="the target's dtype (trained weights stay float32)")
-    defaults = TrainConfig(kind="eagle", out="")
-    for flag, help_text in [("max-tokens", "cut conversations to this many tokens"),
-                            ("limit", "use only the first N training conversations"),
-                            ("batch-size", "sequences per step"), ("lr", "peak learning rate"),
-                            ("warmup-steps", "linear warm-up steps"), ("epochs", "passes over the data"),
-                            ("budget-minutes", "stop (saving everything) after this much wall time"),
-                            ("seed", "random seed"), ("init", "start from this saved drafter of the same kind"),
-                            ("eval-sequences", "held-out sequences to evaluate"),
-                            ("layers", "draft LM: decoder layers"), ("noise", "EAGLE: feature noise"),
-                            ("regression-weight", "EAGLE: weight of the feature loss"),
-                            ("ce-weight", "EAGLE: weight of the token loss")]:
-        field = flag.replace("-", "_")
-        default = getattr(defaults, field)
-        kind = float if isinstance(default, float) or field == "budget_minutes" else str if field == "init" else int
-        train.add_argument(f"--{flag}", type=kind, default=default, help=f"{help_text} (default: {default})")
+    train = commands.add_parser("train", help="train a drafter for a target, or make its training data")
+    kinds = train.add_subparsers(dest="kind", required=True, parser_class=_Parser, metavar="KIND")
+    helps = {"eagle3": "an EAGLE-3 head (fused features, reduced vocabulary, training-time test)",
+             "eagle": "an EAGLE-1/2 head (feature regression)",
+             "draft": "a small draft LM sharing the target's embedding and LM head",
+             "data": "the target's own answers to training prompts (self-distillation data)"}
+    for kind in (*KINDS, "data"):
+        sub = kinds.add_parser(kind, help=helps[kind], description=helps[kind])
+        sub.add_argument("--out", required=True, help="output folder (a run there is resumed)")
+        sub.add_argument("--target", default=None, help="HF id, folder or .gguf file (default: embedded)")
+        sub.add_argument("--device", default="cpu")
+        sub.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                         help="the target's dtype (trained weights stay float32)")
+        if kind == "data":
+            _add_answer_flags(sub)
+        else:
+            _add_training_flags(sub, kind)
     return parser
+
+
+TRAINING_FLAGS = {  # TrainConfig field -> (help, kinds it applies to; None: all)
+    "data": ("'sharegpt', a folder from `fuzzyspec train data`, or a TokenDataset .npz", None),
+    "eval_data": ("held-out data, the same choices", None),
+    "max_tokens": ("cut sequences to this many tokens", None),
+    "limit": ("use only the first N training sequences", None),
+    "batch_size": ("sequences per step", None), "lr": ("peak learning rate", None),
+    "warmup_steps": ("linear warm-up steps", None), "epochs": ("passes over the data", None),
+    "budget_minutes": ("stop (saving everything) after this much wall time", None),
+    "seed": ("random seed", None), "init": ("start from this saved drafter of the same kind", None),
+    "eval_sequences": ("held-out sequences to evaluate", None),
+    "draft_vocab": ("size N of the reduced draft vocabulary (the target's N most frequent output tokens); "
+                    f"default {DEFAULT_DRAFT_VOCAB}, or the whole vocabulary if N is at least its size",
+                    ("eagle3", "draft")),
+    "loss": ("distillation loss: ce, tv or js", ("eagle3", "draft")),
+    "layers": ("decoder layers", ("draft",)),
+    "ttt_steps": ("draft steps unrolled in training (training-time test)", ("eagle3",)),
+    "ttt_decay": ("weight of unrolled step s is this to the power s", ("eagle3",)),
+    "train_lm_head": ("train and store the head's own LM head (default: the target's rows, not stored)",
+                      ("eagle3",)),
+    "feature_layers": ("comma-separated target hidden-state indices to fuse (default: 2, L/2, L-3)", ("eagle3",)),
+    "noise": ("feature noise", ("eagle",)), "regression_weight": ("weight of the feature loss", ("eagle",)),
+    "ce_weight": ("weight of the token loss", ("eagle",)),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_training_flags(parser: argparse.ArgumentParser, kind: str) -> None:
+    defaults = TrainConfig(kind=kind, out="")
+    types = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for field, (help_text, kinds) in TRAINING_FLAGS.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        default = getattr(defaults, field)
+        flag = "--" + field.replace("_", "-")
+        if types[field] in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", help=help_text)
+            continue
+        kind_of = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float,
+                   "str | None": str, "list[int] | None": _int_list}[str(types[field])]
+        shown = "" if default is None else f" (default: {default})"
+        parser.add_argument(flag, type=kind_of, default=default, help=help_text + shown)
+
+
+def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = AnswerSettings()
+    parser.add_argument("--prompts", default="sharegpt",
+                        help="'sharegpt' (first user messages of its training split) or a JSONL file of "
+                             "prompt/messages rows (default: sharegpt)")
+    parser.add_argument("--split", default="train", choices=["train", "held_out"],
+                        help="ShareGPT split to take prompts from (default: train)")
+    parser.add_argument("--limit", type=int, default=None, help="answer only the first N prompts")
+    parser.add_argument("--temperatures", type=_floats, default=list(defaults.temperatures),
+                        help="one answer per prompt at each temperature, 0 for greedy (default: 0,0.8)")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                        help=f"longest answer (default: {defaults.max_new_tokens})")
+    parser.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens,
+                        help=f"skip longer prompts (default: {defaults.max_prompt_tokens})")
+    parser.add_argument("--shard-size", type=int, default=defaults.shard_size,
+                        help=f"prompts per output file (default: {defaults.shard_size})")
+    parser.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: 64)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: 0)")
+    parser.add_argument("--worker", default="0/1",
+                        help="i/n: this process answers shards s with s %% n == i, so n processes share the work")
 
 
 DECODING_FLAGS = ("raw_divergence", "divergence_top_k", "divergence_top_p", "gamma", "gamma_schedule",
@@ -314,10 +381,34 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    if args.kind == "data":
+        _answers(args)
+        return
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     metrics = train(config)
     print(json.dumps({k: v for k, v in metrics.items() if k != "config"}))
+
+
+def _answers(args: argparse.Namespace) -> None:
+    from .loading import load_model
+    from .selfdistill import encode_prompts, generate_answers, training_prompts
+
+    try:
+        index, count = (int(part) for part in args.worker.split("/"))
+    except ValueError:
+        raise UsageError(f"--worker must be i/n, got {args.worker!r}") from None
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    settings = AnswerSettings(tuple(args.temperatures), args.max_new_tokens, args.max_prompt_tokens,
+                              args.shard_size, args.seed)
+    texts = training_prompts(args.prompts, args.limit, args.split)
+    target, tokenizer = load_model(args.target, args.dtype, args.device)
+    prompts = encode_prompts(tokenizer, texts, settings.max_prompt_tokens)
+    written = generate_answers(target, prompts, args.out, settings, eos_ids(target, tokenizer), args.batch_size,
+                               (index, count))
+    print(json.dumps({"prompts": len(prompts), "skipped_long_prompts": len(texts) - len(prompts),
+                      "answers_written": written, "out": args.out}))
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -181,18 +181,27 @@ def prompts(conversations: Iterable[Conversation], n: int, max_chars: int | None
 
 class TokenDataset:
     """Token sequences as one flat uint32 array plus int64 offsets (sequence i is
-    ``tokens[offsets[i]:offsets[i + 1]]``): compact, and one ``.npz`` file on disk."""
+    ``tokens[offsets[i]:offsets[i + 1]]``): compact, and one ``.npz`` file on disk.
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, meta: dict | None = None) -> None:
+    ``loss_from[i]`` is the first position of sequence i that training learns to
+    predict (0: all of it; the start of the response for prompt + response data)."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, meta: dict | None = None,
+                 loss_from: np.ndarray | None = None) -> None:
         self.tokens = np.asarray(tokens, dtype=np.uint32)
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.meta = dict(meta or {})  # how the data was built; lets a cache notice other settings
         if self.offsets.ndim != 1 or len(self.offsets) == 0 or self.offsets[0] != 0 \
                 or self.offsets[-1] != len(self.tokens) or np.any(np.diff(self.offsets) < 0):
             raise ValueError("offsets must start at 0, never decrease, and end at len(tokens)")
+        self.loss_from = np.zeros(len(self), dtype=np.int64) if loss_from is None \
+            else np.asarray(loss_from, dtype=np.int64)
+        if self.loss_from.shape != (len(self),):
+            raise ValueError("loss_from needs one entry per sequence")
 
     @classmethod
-    def from_sequences(cls, sequences: Iterable[Sequence[int]], meta: dict | None = None) -> TokenDataset:
+    def from_sequences(cls, sequences: Iterable[Sequence[int]], meta: dict | None = None,
+                       loss_from: Sequence[int] | None = None) -> TokenDataset:
         """Pack a list of token-id sequences."""
         arrays = [np.asarray(sequence, dtype=np.int64) for sequence in sequences]
         if any(array.size and (array.min() < 0 or array.max() >= 2**32) for array in arrays):
@@ -200,7 +209,18 @@ class TokenDataset:
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
         np.cumsum([array.size for array in arrays], out=offsets[1:])
         tokens = np.concatenate(arrays).astype(np.uint32) if arrays else np.zeros(0, dtype=np.uint32)
-        return cls(tokens, offsets, meta)
+        return cls(tokens, offsets, meta, None if loss_from is None else np.asarray(loss_from, dtype=np.int64))
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[TokenDataset], meta: dict | None = None) -> TokenDataset:
+        """One dataset holding the sequences of ``parts`` in order."""
+        return cls.from_sequences([seq for part in parts for seq in part], meta,
+                                  [int(start) for part in parts for start in part.loss_from])
+
+    def subset(self, indices: Iterable[int]) -> TokenDataset:
+        indices = list(indices)
+        return TokenDataset.from_sequences([self[i] for i in indices], self.meta,
+                                           [int(self.loss_from[i]) for i in indices])
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -222,13 +242,15 @@ class TokenDataset:
         """Write one uncompressed ``.npz`` (fast to load; token ids compress poorly anyway)."""
         # A file object, because np.savez appends ".npz" to names that lack it.
         with open(path, "wb") as file:
-            np.savez(file, tokens=self.tokens, offsets=self.offsets, meta=np.array(json.dumps(self.meta)))
+            np.savez(file, tokens=self.tokens, offsets=self.offsets, meta=np.array(json.dumps(self.meta)),
+                     loss_from=self.loss_from)
 
     @classmethod
     def load(cls, path: str | Path) -> TokenDataset:
         with np.load(path) as archive:
             meta = json.loads(str(archive["meta"])) if "meta" in archive else {}
-            return cls(archive["tokens"], archive["offsets"], meta)
+            loss_from = archive["loss_from"] if "loss_from" in archive else None
+            return cls(archive["tokens"], archive["offsets"], meta, loss_from)
 
 
 def build_token_dataset(tokenizer: Any, split: str = "train", max_tokens: int = 512, limit: int | None = None,

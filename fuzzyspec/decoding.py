@@ -92,6 +92,13 @@ class DecodeConfig:
 Callback = Callable[[Tensor], bool]
 
 
+def target_features(hidden_states: tuple[Tensor, ...], drafter: Drafter) -> Tensor:
+    """The target's hidden states a feature-reading drafter asks for (``feature_layers``, indices
+    into ``hidden_states``), concatenated on the last dimension."""
+    layers = getattr(drafter, "feature_layers", [-1])
+    return torch.cat([hidden_states[i] for i in layers], -1) if len(layers) > 1 else hidden_states[layers[0]]
+
+
 def _divergences(config: DecodeConfig, target_logits: Tensor, p: Tensor, draft_logits: Tensor, q: Tensor) -> Tensor:
     """D(p, q) row by row, on the processed distributions or (``raw_divergence``) the raw ones."""
     if config.raw_divergence:
@@ -123,15 +130,17 @@ def _chain_step(target: torch.nn.Module, cache: DynamicCache, sequence: Tensor, 
     logits = out.logits[..., :vocab_size]
     start = time.perf_counter()
     p = sampling.probs(logits)
-    d = (_divergences(config, logits[:, :k], p[:, :k], proposal.logits, proposal.probs)
-         if config.method in FUZZY else None)
+    # Greedy SD reads neither q nor D: a reduced-vocabulary proposal is then never widened.
+    needs_q = config.method in FUZZY or not sampling.greedy
+    draft_logits, q = proposal.full() if needs_q and k else (proposal.logits, proposal.probs)
+    d = _divergences(config, logits[:, :k], p[:, :k], draft_logits, q) if config.method in FUZZY else None
     rule = RULES["sd" if config.method == "ar" else config.method]
-    accepted, next_token = rule(drafts, p, proposal.probs, d, config.threshold, sampling.greedy, generator)
+    accepted, next_token = rule(drafts, p, q, d, config.threshold, sampling.greedy, generator)
     n = int(accepted[0])
     accept_s = time.perf_counter() - start
     crop_to(cache, sequence.shape[1] + n)  # keep the accepted drafts; next_token is fed next step
     if wants_features:  # the target's features of every fed token that stays
-        drafter.observe(cached, out.hidden_states[-1][:, : sequence.shape[1] - cached + n])
+        drafter.observe(cached, target_features(out.hidden_states, drafter)[:, : sequence.shape[1] - cached + n])
     return _Step(torch.cat([drafts[:, :n], next_token.view(1, 1)], 1), k, n, d, accept_s)
 
 
@@ -153,14 +162,14 @@ def _tree_step(target: torch.nn.Module, cache: DynamicCache, sequence: Tensor, p
     expanded = proposal.q.sum(-1) > 0  # rows with drafted children: only there is D defined
     d = None
     if config.method in FUZZY:
+        draft_logits, q = proposal.full()
         d = torch.full((len(tree) + 1,), math.inf, device=p.device)
-        d[expanded] = _divergences(config, logits[expanded], p[expanded], proposal.logits[expanded],
-                                   proposal.q[expanded])
+        d[expanded] = _divergences(config, logits[expanded], p[expanded], draft_logits[expanded], q[expanded])
     path, token = walk(config.method, tree, p, proposal.q, d, config.threshold, sampling.greedy, generator)
     accept_s = time.perf_counter() - start
     keep_path(cache, cached + m, path)
     if wants_features:
-        hidden = out.hidden_states[-1]
+        hidden = target_features(out.hidden_states, drafter)
         path_rows = torch.tensor(path, dtype=torch.long, device=hidden.device) + m
         drafter.observe(cached, torch.cat([hidden[:, :m], hidden[:, path_rows]], 1))
     new = torch.cat([tree.tokens[path], torch.tensor([token], device=tree.tokens.device)])[None]
@@ -204,9 +213,11 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
     sequence, prompt_len, gamma = input_ids, input_ids.shape[1], config.gamma
     start = time.perf_counter()
 
+    # A drafter that reads the target's features needs target passes even when every draft is accepted.
+    draft_only = config.draft_only and not wants_features
     while (remaining := config.max_new_tokens - (sequence.shape[1] - prompt_len)) > 0:
-        if config.draft_only:
-            new = drafter.propose(sequence, min(gamma, remaining), sampling, generator).tokens
+        new = drafter.propose(sequence, min(gamma, remaining), sampling, generator).tokens if draft_only else None
+        if new is not None and new.shape[1]:
             stats.record_step(new.shape[1], new.shape[1], None)
         else:
             tree = drafter.propose_tree(sequence, sampling) if trees else None

@@ -15,21 +15,31 @@ from transformers import DynamicCache
 
 from .kvcache import crop_to
 from .sampling import Sampling
+from .vocab import DraftVocab
 
 
 @dataclass
 class Proposal:
-    """``tokens`` [B, k] drafted; ``logits`` [B, k, V] raw draft logits; ``probs`` [B, k, V]
-    the processed distributions the tokens were drawn from (q in the rules)."""
+    """``tokens`` [B, k] drafted (target ids); ``logits`` [B, k, N] raw draft logits; ``probs``
+    [B, k, N] the processed distributions the tokens were drawn from (q in the rules). With a
+    reduced draft vocabulary (``vocab``) the N columns are its tokens and q is zero elsewhere;
+    without one N is the target's vocabulary. ``full`` widens them when a rule needs q."""
 
     tokens: Tensor
     logits: Tensor
     probs: Tensor
+    vocab: DraftVocab | None = None
 
     @staticmethod
     def empty(batch: int, vocab_size: int, device: torch.device) -> "Proposal":
         no_dist = torch.empty(batch, 0, vocab_size, device=device)
         return Proposal(torch.empty(batch, 0, dtype=torch.long, device=device), no_dist, no_dist)
+
+    def full(self) -> tuple[Tensor, Tensor]:
+        """(logits, probs) over the target's vocabulary: -inf and 0 outside a reduced draft vocabulary."""
+        if self.vocab is None:
+            return self.logits, self.probs
+        return self.vocab.expand(self.logits, float("-inf")), self.vocab.expand(self.probs)
 
 
 class Drafter(Protocol):
@@ -55,9 +65,11 @@ def common_prefix(a: Tensor, b: Tensor) -> int:
 
 
 def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], num: int, sampling: Sampling,
-                generator: torch.Generator | None, min_confidence: float = 0.0) -> Proposal:
-    """Draft up to ``num`` tokens one after another: pick a token from ``logits`` ([B, V]), then
-    ``advance(token)`` ([B, 1]) gives the next logits (it is not called after the last token).
+                generator: torch.Generator | None, min_confidence: float = 0.0,
+                vocab: DraftVocab | None = None) -> Proposal:
+    """Draft up to ``num`` tokens one after another: pick a token from ``logits`` ([B, N]), then
+    ``advance(token)`` ([B, 1], a target id) gives the next logits (not called after the last token).
+    ``vocab`` maps the columns of a reduced draft vocabulary to target ids.
 
     With ``min_confidence > 0`` drafting stops before a token whose distribution's top
     probability is below it; the first token is always kept, so a proposal is never empty.
@@ -68,12 +80,14 @@ def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], num: int, s
         if tokens and min_confidence and probs.max() < min_confidence:
             break
         token = sampling.pick(logits, probs, generator).unsqueeze(1)
+        if vocab is not None:
+            token = vocab.to_target(token)
         tokens.append(token)
         all_logits.append(logits)
         all_probs.append(probs)
         if i + 1 < num:
             logits = advance(token)
-    return Proposal(torch.cat(tokens, 1), torch.stack(all_logits, 1), torch.stack(all_probs, 1))
+    return Proposal(torch.cat(tokens, 1), torch.stack(all_logits, 1), torch.stack(all_probs, 1), vocab)
 
 
 class ModelDrafter:
@@ -87,6 +101,7 @@ class ModelDrafter:
     def __init__(self, model: torch.nn.Module, vocab_size: int, min_confidence: float = 0.0) -> None:
         self.model = model
         self.vocab_size = vocab_size
+        self.vocab: DraftVocab | None = getattr(model, "draft_vocab", None)  # a reduced LM head's id map
         self.min_confidence = min_confidence
         self.forwards = 0
         self.reset()
@@ -108,12 +123,14 @@ class ModelDrafter:
         def forward(feed: Tensor) -> Tensor:
             out = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             self.forwards += 1
-            return out.logits[:, -1, : self.vocab_size]
+            logits = out.logits[:, -1]
+            return logits if self.vocab is not None else logits[:, : self.vocab_size]
 
         def advance(token: Tensor) -> Tensor:
             fed.append(token)
             return forward(token)
 
-        proposal = draft_chain(forward(sequence[:, kept:]), advance, num, sampling, generator, self.min_confidence)
+        proposal = draft_chain(forward(sequence[:, kept:]), advance, num, sampling, generator, self.min_confidence,
+                               self.vocab)
         self.cached = torch.cat([sequence, *fed], 1)
         return proposal

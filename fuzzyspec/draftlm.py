@@ -5,6 +5,10 @@ layers of its own; its token embedding and LM head are the target's, frozen,
 so only the layers and the final norm are stored (a few MB). Its folder holds
 ``config.json`` (the target family's config with ``num_hidden_layers`` cut and a
 ``fuzzyspec_shares`` entry naming the shared parts) and ``model.safetensors``.
+
+With a reduced draft vocabulary (``vocab.DraftVocab``; ``draft_vocab_size`` in
+the config, ``d2t``/``t2d`` maps beside the weights) the LM head is the
+target's rows for those N tokens only, so a draft step reads N rows, not V.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from .vocab import DraftVocab, reduced_lm_head
 
 SHARED = ("embed_tokens", "lm_head")
 
@@ -33,9 +39,11 @@ def cut_layers(config: PretrainedConfig, layers: list[int]) -> PretrainedConfig:
     return config
 
 
-def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[int] | None = None) -> PreTrainedModel:
+def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[int] | None = None,
+                  vocab: DraftVocab | None = None) -> PreTrainedModel:
     """A draft with ``num_layers`` layers copied from the target (its first ones, or ``init_layers``),
-    a copy of its final norm, and the target's own embedding and LM head (shared, frozen)."""
+    a copy of its final norm, and the target's own embedding and LM head (shared, frozen; cut to
+    ``vocab``'s rows when given)."""
     source = init_layers if init_layers is not None else list(range(num_layers))
     if len(source) != num_layers or not all(0 <= i < target.config.num_hidden_layers for i in source):
         raise ValueError(f"init_layers must name {num_layers} of the target's {target.config.num_hidden_layers} layers")
@@ -47,13 +55,19 @@ def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[in
     for mine, theirs in zip(decoder.layers, source):
         mine.load_state_dict(target_decoder.layers[theirs].state_dict())
     decoder.norm.load_state_dict(target_decoder.norm.state_dict())
-    _share(draft, target)
+    if vocab is not None:
+        draft.config.draft_vocab_size = len(vocab)
+    _share(draft, target, vocab)
     return draft
 
 
-def _share(draft: PreTrainedModel, target: PreTrainedModel) -> None:
+def _share(draft: PreTrainedModel, target: PreTrainedModel, vocab: DraftVocab | None = None) -> None:
     draft.set_input_embeddings(target.get_input_embeddings())
-    draft.set_output_embeddings(target.get_output_embeddings())
+    if vocab is None:
+        draft.set_output_embeddings(target.get_output_embeddings())
+    else:
+        draft.set_output_embeddings(reduced_lm_head(target.get_output_embeddings(), vocab))
+    draft.draft_vocab = vocab
 
 
 def own_weights(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
@@ -69,6 +83,8 @@ def save_draft_lm(draft: PreTrainedModel, folder: str | Path, dtype: torch.dtype
     config.dtype = str(dtype).removeprefix("torch.")
     config.to_json_file(folder / "config.json")
     weights = {k: v.detach().to(dtype).contiguous() for k, v in own_weights(draft).items()}
+    if getattr(draft, "draft_vocab", None) is not None:
+        weights.update(draft.draft_vocab.maps())
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -83,9 +99,12 @@ def load_draft_lm(folder: str | Path, target: PreTrainedModel) -> PreTrainedMode
     with torch.device("meta"):
         draft = AutoModelForCausalLM.from_config(config)
     weights = load_file(folder / "model.safetensors")
+    vocab = DraftVocab.from_maps(weights.pop("d2t"), weights.pop("t2d", None)) if "d2t" in weights else None
+    if vocab is not None and vocab.target_size != config.vocab_size:
+        raise ValueError(f"the draft at {folder} maps into {vocab.target_size} tokens, its config says {config.vocab_size}")
     draft.load_state_dict({k: v.to(target.device, target.dtype) for k, v in weights.items()}, strict=False,
                           assign=True)
-    _share(draft, target)
+    _share(draft, target, vocab.to(target.device) if vocab is not None else None)
     rotary = draft.get_decoder().rotary_emb  # its buffers were made on the meta device: rebuild them
     draft.get_decoder().rotary_emb = type(rotary)(config=config).to(target.device)
     missing = [name for name, p in draft.named_parameters() if p.is_meta]

@@ -31,9 +31,11 @@ from transformers.masking_utils import create_causal_mask
 
 from .draftlm import cut_layers
 from .drafters import Proposal, common_prefix, draft_chain
+from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from .kvcache import crop_to
 from .sampling import Sampling
 from .trees import Tree, TreeProposal, model_mask
+from .vocab import DraftVocab
 
 _MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
 
@@ -121,22 +123,38 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> EagleHead:
     return head.to(dtype=target.dtype).eval()
 
 
-class EagleDrafter:
-    """Drafts a chain with an EAGLE head, fed the target's true features as they arrive.
+HEADS = (EagleHead, Eagle3Head)  # the head kinds an EagleDrafter drives
 
-    The loop hands it the target's last hidden states (``observe``) after each
-    verification. Head positions computed from true features stay in its KV
-    cache; those computed from its own predictions are recomputed next time.
+
+def load_any_head(folder: str | Path, target: PreTrainedModel) -> EagleHead | Eagle3Head:
+    """An EAGLE-3 head or an EAGLE-1/2 head, whichever layout ``folder`` holds."""
+    return load_eagle3(folder, target) if is_eagle3(folder) else load_head(folder, target)
+
+
+class EagleDrafter:
+    """Drafts a chain with an EAGLE head (EAGLE-1/2, or EAGLE-3), fed the target's true features.
+
+    The loop hands it the target's hidden states at ``feature_layers`` (indices into the
+    target's ``hidden_states``, concatenated; ``observe``) after each verification. Head
+    positions computed from true features stay in its KV cache; those computed from its
+    own predictions are recomputed next time.
     """
 
     wants_target_features = True
 
-    def __init__(self, head: EagleHead, target: PreTrainedModel, vocab_size: int,
+    def __init__(self, head: EagleHead | Eagle3Head, target: PreTrainedModel, vocab_size: int,
                  min_confidence: float = 0.0) -> None:
         self.head = head
         self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
         self.vocab_size = vocab_size
+        if isinstance(head, Eagle3Head):
+            self.vocab: DraftVocab | None = head.vocab
+            self.feature_layers = head.feature_layers
+            self._head_logits = head.logits
+        else:  # EAGLE-1/2: the head predicts the target's last (normed) features; the target's LM head reads them
+            lm_head = target.get_output_embeddings()
+            self.vocab, self.feature_layers = None, [-1]
+            self._head_logits = lambda out: lm_head(out).float()[..., :vocab_size]
         self.min_confidence = min_confidence
         self.forwards = 0
         self.reset()
@@ -166,7 +184,7 @@ class EagleDrafter:
             self.forwards += 1
             return self._logits(hidden)
 
-        return draft_chain(self._logits(hidden), advance, num, sampling, generator, self.min_confidence)
+        return draft_chain(self._logits(hidden), advance, num, sampling, generator, self.min_confidence, self.vocab)
 
     def _root(self, sequence: Tensor) -> Tensor:
         """Bring the head's cache up to date with the true features; return the predicted feature
@@ -184,7 +202,7 @@ class EagleDrafter:
         return hidden
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden[:, -1]).float()[:, : self.vocab_size]
+        return self._head_logits(hidden[:, -1])
 
 
 class EagleTreeDrafter(EagleDrafter):
@@ -202,7 +220,7 @@ class EagleTreeDrafter(EagleDrafter):
 
     drafts_trees = True
 
-    def __init__(self, head: EagleHead, target: PreTrainedModel, vocab_size: int,
+    def __init__(self, head: EagleHead | Eagle3Head, target: PreTrainedModel, vocab_size: int,
                  total_tokens: int = 16, depth: int = 5, top_k: int = 4) -> None:
         super().__init__(head, target, vocab_size)
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
@@ -224,6 +242,8 @@ class EagleTreeDrafter(EagleDrafter):
 
         def add_children(parent: int, probs: Tensor, depth: int) -> list[int]:
             values, ids = probs.topk(min(self.top_k, probs.shape[-1]))
+            if self.vocab is not None:
+                ids = self.vocab.to_target(ids)
             added = []
             for value, token in zip(values.tolist(), ids.tolist()):
                 if value <= 0:
@@ -258,7 +278,7 @@ class EagleTreeDrafter(EagleDrafter):
             hidden = self.head(embeds, features, self.cache, mask=mask[None, None], positions=positions)
             self.forwards += 1
             in_cache += expand
-            logits = self.lm_head(hidden[0]).float()[:, : self.vocab_size]
+            logits = self._head_logits(hidden[0])
             probs = sampling.probs(logits)
             frontier = []
             for row, node in enumerate(expand):
@@ -284,4 +304,4 @@ class EagleTreeDrafter(EagleDrafter):
         for node in order:
             if node in node_q:
                 logits[new_index[node] + 1], q[new_index[node] + 1] = node_q[node]
-        return TreeProposal(tree, q, logits)
+        return TreeProposal(tree, q, logits, self.vocab)

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .draftlm import cut_layers, is_shared_draft, load_draft_lm
-from .eagle import EagleHead, load_head
+from .eagle import EagleHead, load_any_head
+from .eagle3 import Eagle3Head
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -160,7 +161,7 @@ def shipped(kind: str) -> Path:
 
 def load_draft(name: str | None, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
                target_name: str | None = None, dtype: str = "auto", device: str = "cpu"
-               ) -> PreTrainedModel | EagleHead:
+               ) -> PreTrainedModel | EagleHead | Eagle3Head:
     """Load a drafter by name.
 
     ``None``: the draft LM shipped for the embedded target (only when it is the target);
@@ -176,12 +177,12 @@ def load_draft(name: str | None, target: PreTrainedModel, target_tokenizer: PreT
         folder = shipped("eagle" if name == "eagle" else "draft")
         if not (folder / "config.json").is_file():
             raise LoadError(f"the shipped drafter is missing from {folder}: reinstall fuzzyspec")
-        return load_head(folder, target) if name == "eagle" else load_draft_lm(folder, target)
+        return load_any_head(folder, target) if name == "eagle" else load_draft_lm(folder, target)
     if name.startswith(EAGLE_PREFIX):
         folder = Path(name[len(EAGLE_PREFIX):]).expanduser()
         if not folder.is_dir():
             raise LoadError(f"EAGLE head folder not found: {folder}")
-        return load_head(folder, target)
+        return load_any_head(folder, target)
     if name.startswith(SELF_DRAFT_PREFIX):
         count = name[len(SELF_DRAFT_PREFIX):]
         if not count.isdigit():
@@ -205,7 +206,9 @@ def check_vocabularies(target: PreTrainedTokenizerBase, draft: PreTrainedTokeniz
 
 
 def logit_width(model: PreTrainedModel) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    """Logit columns over the target's vocabulary: a reduced draft vocabulary maps into that many."""
+    vocab = getattr(model, "draft_vocab", None)
+    return vocab.target_size if vocab is not None else model.get_output_embeddings().weight.shape[0]
 
 
 def shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel | None,

@@ -28,7 +28,7 @@ from .api import ModelPair, eos_ids, make_config
 from .calibrate import cached_calibration
 from .decoding import METHODS
 from .divergences import canonical_name
-from .eagle import EagleHead
+from .eagle import HEADS
 from .engine import Engine, QueueFull, Unavailable
 from .engine import Request as EngineRequest
 from .rules import FUZZY
@@ -113,7 +113,7 @@ class Server:
     """The models, the engine and the request handling behind the routes."""
 
     def __init__(self, pair: ModelPair, config: ServeConfig) -> None:
-        if isinstance(pair.draft, EagleHead):
+        if isinstance(pair.draft, HEADS):
             raise ValueError("the server batches chains from a draft LM; EAGLE heads are not supported there "
                              "(use --draft default or a draft model)")
         self.pair, self.config = pair, config

@@ -1,13 +1,16 @@
-"""Training drafters for a target: an EAGLE head, or a small draft LM distilled from it.
+"""Training drafters for a target: an EAGLE-3 head, an EAGLE-1/2 head, or a small draft LM.
 
-Both learn from the target itself on ShareGPT conversations rendered with its
-chat template: the target is run (frozen, no gradients) on each batch and its
-outputs are the labels, so the draft learns what the target would say there.
+All learn from the target itself: the target is run (frozen, no gradients) on
+each batch and its next-token distributions are the labels, so the draft learns
+what the target would say there (``objectives`` holds what each kind learns).
+The text they read is either ShareGPT conversations rendered with the target's
+chat template (``data="sharegpt"``), or the target's own answers to training
+prompts (``data=FOLDER`` made by ``fuzzyspec train data``: self-distillation,
+where the drafter sees exactly the text it will have to predict).
 
-- EAGLE head: loss = regression_weight * SmoothL1(f_hat, f) + ce_weight * CE(p_target, lm_head(f_hat)),
-  with uniform noise of +-``noise`` on the input features (EAGLE's recipe:
-  weights 1.0 and 0.1).
-- Draft LM: loss = KL(p_target || p_draft) at every position.
+A reduced draft vocabulary (``draft_vocab`` = N) is the N tokens the target
+emits most in the training data (its answers only, when the data marks them),
+plus its end-of-sequence tokens.
 
 The learning rate warms up linearly, then follows a cosine to a tenth of its
 peak over the run (its steps, or its time budget if that ends first).
@@ -30,28 +33,34 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from .data import TokenDataset, cached_token_dataset
-from .draftlm import load_draft_lm, make_draft_lm, own_weights, save_draft_lm
-from .eagle import EagleHead, load_head
+from .draftlm import load_draft_lm, own_weights
+from .eagle import load_head
+from .eagle3 import load_eagle3
+from .hf import eos_token_ids
 from .loading import load_model
+from .objectives import LOSSES, DraftObjective, Eagle3Objective, EagleObjective
+from .vocab import DraftVocab, most_frequent, token_counts
 
-KINDS = ("eagle", "draft")
+KINDS = ("eagle3", "eagle", "draft")
+DEFAULT_DRAFT_VOCAB = 16384
 
 
 @dataclass
 class TrainConfig:
-    kind: str  # "eagle" or "draft"
+    kind: str  # "eagle3", "eagle" (EAGLE-1/2 layout) or "draft"
     out: str
     target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "cpu"
     dtype: str = "auto"  # the target's dtype; trained weights are kept in float32
-    max_tokens: int = 384  # conversations are cut to this many tokens
-    limit: int | None = None  # use only the first N training conversations
+    data: str = "sharegpt"  # or a folder from `fuzzyspec train data`, or a TokenDataset .npz
+    eval_data: str = "sharegpt"  # held-out data, the same choices (ShareGPT's held-out split by default)
+    max_tokens: int = 512  # sequences are cut to this many tokens
+    limit: int | None = None  # use only the first N training sequences
     batch_size: int = 8
     lr: float = 5e-4
     warmup_steps: int = 50
@@ -62,151 +71,148 @@ class TrainConfig:
     eval_sequences: int = 64
     checkpoint_minutes: float = 5.0
     init: str | None = None  # start from this saved drafter (same kind) instead of from scratch
+    draft_vocab: int | None = None  # N; None: DEFAULT_DRAFT_VOCAB for eagle3 and draft, the whole for eagle
+    loss: str = "ce"  # eagle3 and draft: ce, tv or js (see objectives)
     layers: int = 2  # draft LM: decoder layers, copied from the target's first ones
-    noise: float = 0.1  # EAGLE: uniform noise on input features
-    regression_weight: float = 1.0
-    ce_weight: float = 0.1
+    ttt_steps: int = 6  # eagle3: unrolled draft steps per sequence ("training-time test")
+    ttt_decay: float = 0.8  # eagle3: weight of step s is ttt_decay ** s
+    train_lm_head: bool = False  # eagle3: train (and store) its own LM head instead of the target's rows
+    feature_layers: list[int] | None = None  # eagle3: target hidden states to fuse (default: 2, L/2, L-3)
+    noise: float = 0.1  # eagle: uniform noise on input features
+    regression_weight: float = 1.0  # eagle
+    ce_weight: float = 0.1  # eagle
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown drafter kind {self.kind!r}; valid: {', '.join(KINDS)}")
-        for name in ("batch_size", "max_tokens", "layers", "eval_sequences"):
+        for name in ("batch_size", "max_tokens", "layers", "eval_sequences", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or not self.epochs > 0:
             raise ValueError("lr and epochs must be > 0")
         if self.budget_minutes is not None and not self.budget_minutes > 0:
             raise ValueError(f"budget_minutes must be > 0, got {self.budget_minutes}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; valid: {', '.join(LOSSES)}")
+        if self.kind == "eagle" and self.draft_vocab is not None:
+            raise ValueError("an EAGLE-1/2 head reads the target's own LM head: train eagle3 for a reduced vocabulary")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
 
 
-def padded_batches(dataset: TokenDataset, batch_size: int, seed: int, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Batches of (tokens [B, T] right-padded with 0, lengths [B]) in a seeded order per epoch.
+def padded_batches(dataset: TokenDataset, batch_size: int, seed: int, epoch: int
+                   ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """Batches of (tokens [B, T] right-padded with 0, lengths [B], loss_from [B]) in a seeded order per epoch.
 
     Right padding needs no attention mask: with causal attention no real
     position ever sees a pad, and losses ignore pad positions.
     """
     order = np.random.default_rng(seed + epoch).permutation(len(dataset))
     for start in range(0, len(order) - batch_size + 1, batch_size):
-        yield _pad([dataset[int(i)] for i in order[start:start + batch_size]])
+        yield _pad(dataset, order[start:start + batch_size])
 
 
-def _pad(rows: list[np.ndarray]) -> tuple[Tensor, Tensor]:
-    """Token rows -> (tokens [B, T] right-padded with 0, lengths [B])."""
+def _pad(dataset: TokenDataset, indices) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequences ``indices`` of ``dataset`` -> (tokens [B, T] right-padded with 0, lengths [B], loss_from [B])."""
+    rows = [dataset[int(i)] for i in indices]
     lengths = torch.tensor([len(r) for r in rows])
     tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
     for b, row in enumerate(rows):
         tokens[b, : len(row)] = torch.from_numpy(row.astype(np.int64))
-    return tokens, lengths
+    return tokens, lengths, torch.tensor([int(dataset.loss_from[int(i)]) for i in indices])
 
 
-def _valid(lengths: Tensor, width: int, shift: int = 0) -> Tensor:
-    """[B, width] mask of positions t with t + shift < length."""
-    return (torch.arange(width, device=lengths.device)[None] + shift) < lengths[:, None]
+def load_data(source: str, tokenizer, split: str, max_tokens: int, limit: int | None = None) -> TokenDataset:
+    """Training or held-out data: ``sharegpt`` (that split, rendered and cached), a folder of the target's
+    own answers (``fuzzyspec train data``), or a TokenDataset ``.npz``; sequences cut to ``max_tokens``."""
+    if source == "sharegpt":
+        name = f"sharegpt-{split}-{max_tokens}" + (f"-first{limit}" if limit else "")
+        return cached_token_dataset(tokenizer, name, split=split, max_tokens=max_tokens, limit=limit)
+    from .selfdistill import load_answers
+
+    path = Path(source)
+    if path.is_dir():
+        dataset = load_answers(path)
+    elif path.suffix == ".npz" and path.is_file():
+        dataset = TokenDataset.load(path)
+    else:
+        raise ValueError(f"training data {source!r} is neither 'sharegpt', a folder from `fuzzyspec train data`, "
+                         "nor a .npz file")
+    count = len(dataset) if limit is None else min(limit, len(dataset))
+    keep = [i for i in range(count) if min(len(dataset[i]), max_tokens) > dataset.loss_from[i]]
+    return TokenDataset.from_sequences([dataset[i][:max_tokens] for i in keep], dataset.meta,
+                                       [int(dataset.loss_from[i]) for i in keep])
 
 
-def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    return (values * mask).sum() / mask.sum().clamp_min(1)
+def build_vocab(dataset: TokenDataset, size: int, vocab_size: int, always: tuple[int, ...] = ()) -> DraftVocab:
+    """The ``size`` tokens most frequent in the learned part of ``dataset`` (plus ``always``)."""
+    learned = (sequence[start:] for sequence, start in zip(dataset, dataset.loss_from))
+    return most_frequent(token_counts(learned, vocab_size), size, always)
 
 
-class EagleObjective:
-    """Trains an EAGLE head on the target's features."""
-
-    def __init__(self, target: PreTrainedModel, config: TrainConfig) -> None:
-        self.target, self.config = target, config
-        self.model = EagleHead.for_target(target).float()
-        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-
-    def _features(self, tokens: Tensor) -> Tensor:
-        with torch.inference_mode():
-            out = self.target(input_ids=tokens, output_hidden_states=True, logits_to_keep=1)
-        return out.hidden_states[-1].float().clone()
-
-    def _predict(self, tokens: Tensor, features: Tensor, noise: float) -> Tensor:
-        inputs = features[:, :-1]
-        if noise:
-            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
-        return self.model(self.embed(tokens[:, 1:]).float(), inputs)
-
-    def loss(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, float]:
-        features = self._features(tokens)
-        predicted = self._predict(tokens, features, self.config.noise)
-        valid = _valid(lengths, tokens.shape[1] - 1, shift=1)
-        regression = _masked_mean(F.smooth_l1_loss(predicted, features[:, 1:], reduction="none").mean(-1), valid)
-        with torch.no_grad():
-            target_logits = self.lm_head(features[:, 1:].to(self.lm_head.weight.dtype)).float()
-        logits = self.lm_head(predicted.to(self.lm_head.weight.dtype)).float()
-        cross_entropy = _masked_mean(-(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1), valid)
-        agreement = _masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), valid)
-        loss = self.config.regression_weight * regression + self.config.ce_weight * cross_entropy
-        return loss, float(agreement)
-
-    @torch.no_grad()
-    def agreement(self, tokens: Tensor, lengths: Tensor) -> tuple[float, int]:
-        """Held-out top-1 agreement with the target's greedy token, teacher-forced: (rate, positions)."""
-        features = self._features(tokens)
-        predicted = self._predict(tokens, features, 0.0)
-        dtype = self.lm_head.weight.dtype
-        same = self.lm_head(predicted.to(dtype)).argmax(-1) == self.lm_head(features[:, 1:].to(dtype)).argmax(-1)
-        valid = _valid(lengths, tokens.shape[1] - 1, shift=1)
-        return float(same[valid].float().mean()), int(valid.sum())
-
-    def trainable(self) -> dict[str, Tensor]:
-        return self.model.state_dict()
-
-    def save(self, folder: Path) -> None:
-        head = EagleHead.for_target(self.target, self.model.config)
-        head.load_state_dict(self.model.state_dict())
-        head.to(torch.bfloat16).save(folder)
+def make_objective(config: TrainConfig, target: PreTrainedModel, train_data: TokenDataset, tokenizer=None):
+    """The objective for ``config.kind``, with its draft vocabulary, started from ``config.init`` if set."""
+    if config.kind == "eagle":
+        objective = EagleObjective(target, config)
+        if config.init:
+            objective.load(load_head(config.init, target).state_dict())
+        return objective
+    saved = None
+    if config.init:
+        saved = load_eagle3(config.init, target) if config.kind == "eagle3" else load_draft_lm(config.init, target)
+        vocab = saved.vocab if config.kind == "eagle3" else getattr(saved, "draft_vocab", None)
+        vocab = vocab.to("cpu") if vocab is not None else None
+    else:
+        size = config.draft_vocab or DEFAULT_DRAFT_VOCAB
+        width = target.get_output_embeddings().weight.shape[0]
+        eos = set(eos_token_ids(target.generation_config))
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        vocab = build_vocab(train_data, size, width, tuple(sorted(eos))) if size < width else None
+        if vocab is None and config.kind == "eagle3":
+            vocab = DraftVocab(torch.arange(width), width)
+    if config.kind == "eagle3":
+        objective = Eagle3Objective(target, config, vocab)
+        if saved is not None:
+            objective.load(saved.state_dict())
+    else:
+        objective = DraftObjective(target, config, vocab)
+        if saved is not None:
+            objective.load(own_weights(saved))
+    return objective
 
 
-class DraftObjective:
-    """Distils a small draft LM (shared embedding and LM head) from the target."""
-
-    def __init__(self, target: PreTrainedModel, config: TrainConfig) -> None:
-        self.target, self.config = target, config
-        self.model = make_draft_lm(target, config.layers)
-        shared = {id(target.get_input_embeddings().weight), id(target.get_output_embeddings().weight)}
-        for weight in self.model.parameters():
-            if id(weight) not in shared:  # trained weights in float32; the shared ones stay frozen as they are
-                weight.data = weight.data.float()
-
-    def _logits(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        with torch.inference_mode():
-            target_logits = self.target(input_ids=tokens).logits.float().clone()
-        return target_logits, self.model(input_ids=tokens).logits.float()
-
-    def loss(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, float]:
-        target_logits, logits = self._logits(tokens)
-        valid = _valid(lengths, tokens.shape[1])
-        log_p = target_logits.log_softmax(-1)
-        kl = (log_p.exp() * (log_p - logits.log_softmax(-1))).sum(-1)
-        agreement = _masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), valid)
-        return _masked_mean(kl, valid), float(agreement)
-
-    @torch.no_grad()
-    def agreement(self, tokens: Tensor, lengths: Tensor) -> tuple[float, int]:
-        target_logits, logits = self._logits(tokens)
-        valid = _valid(lengths, tokens.shape[1])
-        same = logits.argmax(-1) == target_logits.argmax(-1)
-        return float(same[valid].float().mean()), int(valid.sum())
-
-    def trainable(self) -> dict[str, Tensor]:
-        return own_weights(self.model)
-
-    def save(self, folder: Path) -> None:
-        save_draft_lm(self.model, folder)
+JS_THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5)
 
 
-def evaluate(objective, dataset: TokenDataset, batch_size: int, autocast: torch.autocast) -> float:
-    """Held-out top-1 agreement over the whole of ``dataset``, weighted by positions."""
-    matched = total = 0.0
+def evaluate(objective, dataset: TokenDataset, batch_size: int, autocast: torch.autocast) -> list[dict]:
+    """Held-out, teacher-forced measures per draft step (EAGLE-3 heads unroll several; others have one):
+    top-1 agreement with the target's greedy token, SD's mean acceptance probability 1 - TV(p, q), JS
+    quantiles, and the share of positions FSD with JS would accept at a few thresholds."""
+    steps: list[list] = []
+    device = objective.target.device
     for start in range(0, len(dataset), batch_size):
-        tokens, lengths = _pad([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+        tokens, lengths, loss_from = _pad(dataset, range(start, min(start + batch_size, len(dataset))))
         with autocast:
-            rate, count = objective.agreement(tokens.to(objective.target.device), lengths.to(objective.target.device))
-        matched += rate * count
-        total += count
-    return matched / max(total, 1)
+            results = objective.evaluate(tokens.to(device), lengths.to(device), loss_from.to(device))
+        for i, result in enumerate(results):
+            if i >= len(steps):
+                steps.append([])
+            steps[i].append(result)
+    summary = []
+    for results in steps:
+        same = torch.cat([r.same for r in results]).float()
+        tv, js = torch.cat([r.tv for r in results]), torch.cat([r.js for r in results])
+        if not same.numel():
+            continue
+        summary.append({
+            "positions": same.numel(), "top1": round(float(same.mean()), 4),
+            "sd_acceptance": round(float(1 - tv.mean()), 4),
+            "js_quantiles": {str(q): round(float(js.quantile(q)), 4) for q in (0.1, 0.25, 0.5, 0.75, 0.9)},
+            "fsd_js_acceptance": {str(t): round(float((js <= t).float().mean()), 4) for t in JS_THRESHOLDS}})
+    return summary
 
 
 def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data: TokenDataset | None = None,
@@ -219,20 +225,15 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
         target, tokenizer = load_model(config.target, config.dtype, config.device)
     target.requires_grad_(False)
     if train_data is None:
-        name = f"sharegpt-train-{config.max_tokens}" + (f"-first{config.limit}" if config.limit else "")
-        train_data = cached_token_dataset(tokenizer, name, split="train", max_tokens=config.max_tokens,
-                                          limit=config.limit)
+        train_data = load_data(config.data, tokenizer, "train", config.max_tokens, config.limit)
     if eval_data is None:
-        eval_data = cached_token_dataset(tokenizer, f"sharegpt-held_out-{config.max_tokens}", split="held_out",
-                                         max_tokens=config.max_tokens)
+        eval_data = load_data(config.eval_data, tokenizer, "held_out", config.max_tokens)
     if len(eval_data) > config.eval_sequences:
-        eval_data = TokenDataset.from_sequences(eval_data[i] for i in range(config.eval_sequences))
+        eval_data = eval_data.subset(range(config.eval_sequences))
 
-    objective = EagleObjective(target, config) if config.kind == "eagle" else DraftObjective(target, config)
-    if config.init:
-        saved = load_head(config.init, target) if config.kind == "eagle" else load_draft_lm(config.init, target)
-        weights = saved.state_dict() if config.kind == "eagle" else own_weights(saved)
-        objective.model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    objective = make_objective(config, target, train_data, tokenizer)
+    vocab = getattr(objective, "vocab", None)
+    vocab_ids = vocab.target_ids.tolist() if vocab is not None else None
     params = [p for p in objective.model.parameters() if p.requires_grad and p.dtype == torch.float32]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     steps_per_epoch = len(train_data) // config.batch_size
@@ -245,13 +246,16 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)
         if state["kind"] != config.kind:
             raise ValueError(f"{checkpoint} holds a {state['kind']} run, not {config.kind}")
-        objective.model.load_state_dict(state["weights"], strict=False)
+        if state.get("vocab") != vocab_ids:
+            raise ValueError(f"{checkpoint} was trained with another draft vocabulary: use a new --out folder")
+        objective.load(state["weights"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         step, trained_tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
 
     def save_checkpoint() -> None:
-        state = {"kind": config.kind, "weights": objective.trainable(), "optimizer": optimizer.state_dict(),
+        state = {"kind": config.kind, "vocab": vocab_ids, "weights": objective.trainable(),
+                 "optimizer": optimizer.state_dict(),
                  "rng": torch.get_rng_state(), "step": step, "tokens": trained_tokens,
                  "elapsed": elapsed + time.perf_counter() - start}
         torch.save(state, checkpoint.with_suffix(".tmp"))
@@ -268,7 +272,7 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
     try:
         while step < total_steps:
             epoch, skip = divmod(step, steps_per_epoch)
-            for tokens, lengths in padded_batches(train_data, config.batch_size, config.seed, epoch):
+            for tokens, lengths, loss_from in padded_batches(train_data, config.batch_size, config.seed, epoch):
                 if skip:
                     skip -= 1
                     continue
@@ -283,9 +287,9 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
                 decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
                 for group in optimizer.param_groups:
                     group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) * decay
-                tokens, lengths = tokens.to(target.device), lengths.to(target.device)
+                tokens, lengths, loss_from = (t.to(target.device) for t in (tokens, lengths, loss_from))
                 with autocast:
-                    loss, agreement = objective.loss(tokens, lengths)
+                    loss, agreement = objective.loss(tokens, lengths, loss_from)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, config.clip)
@@ -308,10 +312,12 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
     objective.model.eval()
     save_checkpoint()
     objective.save(out)
+    by_step = evaluate(objective, eval_data, config.batch_size, autocast)
     metrics = {"kind": config.kind, "steps": step, "total_steps": total_steps, "trained_tokens": trained_tokens,
                "train_seconds": round(elapsed + time.perf_counter() - start, 1),
-               "finished": step >= total_steps,
-               "held_out_top1_agreement": round(evaluate(objective, eval_data, config.batch_size, autocast), 4),
-               "held_out_sequences": len(eval_data), "config": dataclasses.asdict(config)}
+               "finished": step >= total_steps, "draft_vocab": len(vocab) if vocab is not None else None,
+               "held_out_top1_agreement": by_step[0]["top1"] if by_step else None,
+               "held_out_sequences": len(eval_data), "held_out_by_step": by_step,
+               "config": dataclasses.asdict(config)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

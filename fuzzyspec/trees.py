@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from .vocab import DraftVocab
+
 
 @dataclass
 class Tree:
@@ -59,12 +61,20 @@ class Tree:
 
 @dataclass
 class TreeProposal:
-    """``tree``: the drafted nodes; ``q`` [n + 1, V]: the draft distribution at the root (row 0)
-    and at each node (row i + 1; zeros for nodes that were not expanded)."""
+    """``tree``: the drafted nodes; ``q`` [n + 1, N]: the draft distribution at the root (row 0)
+    and at each node (row i + 1; zeros for nodes that were not expanded). With a reduced draft
+    vocabulary (``vocab``) the N columns are its tokens; ``full`` widens to the target's."""
 
     tree: Tree
     q: Tensor
-    logits: Tensor  # [n + 1, V] the draft's raw logits behind q (zeros where q is)
+    logits: Tensor  # [n + 1, N] the draft's raw logits behind q (zeros where q is)
+    vocab: DraftVocab | None = None
+
+    def full(self) -> tuple[Tensor, Tensor]:
+        """(logits, q) over the target's vocabulary: -inf and 0 outside a reduced draft vocabulary."""
+        if self.vocab is None:
+            return self.logits, self.q
+        return self.vocab.expand(self.logits, float("-inf")), self.vocab.expand(self.q)
 
 
 def tree_inputs(tree: Tree, cached: int, feed_len: int) -> tuple[Tensor, Tensor]:

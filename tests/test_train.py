@@ -10,6 +10,7 @@ from fuzzyspec.decoding import DecodeConfig, decode
 from fuzzyspec.draftlm import load_draft_lm
 from fuzzyspec.drafters import ModelDrafter
 from fuzzyspec.eagle import EagleDrafter, load_head
+from fuzzyspec.eagle3 import load_eagle3
 from fuzzyspec.train import TrainConfig, train
 
 V = 32
@@ -31,44 +32,60 @@ def target_model():
     return tiny_llama(vocab_size=V, layers=3, seed=5)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "draft"])
-def test_training_lowers_the_loss_and_reloads(tmp_path, corpus, target_model, kind):
+OBJECTIVES = {"eagle": "EagleObjective", "eagle3": "Eagle3Objective", "draft": "DraftObjective"}
+
+
+@pytest.mark.parametrize("kind, extra", [("eagle", {}), ("eagle3", {"draft_vocab": 24, "ttt_steps": 3}),
+                                         ("draft", {}), ("draft", {"draft_vocab": 24, "loss": "tv"}),
+                                         ("draft", {"loss": "js"})])
+def test_training_lowers_the_loss_and_reloads(tmp_path, corpus, target_model, kind, extra):
     train_data, eval_data = corpus
     losses = []
-    import fuzzyspec.train as module
-    original = module.EagleObjective.loss if kind == "eagle" else module.DraftObjective.loss
+    import fuzzyspec.objectives as module
+    cls = getattr(module, OBJECTIVES[kind])
+    original = cls.loss
 
-    def recording(self, tokens, lengths):
-        loss, agreement = original(self, tokens, lengths)
+    def recording(self, tokens, lengths, loss_from):
+        loss, agreement = original(self, tokens, lengths, loss_from)
         losses.append(loss.item())
         return loss, agreement
 
-    cls = module.EagleObjective if kind == "eagle" else module.DraftObjective
     cls.loss = recording
     try:
         config = TrainConfig(kind=kind, out=str(tmp_path / kind), epochs=6, batch_size=8, lr=3e-3, warmup_steps=5,
-                             layers=1, eval_sequences=16)
+                             layers=1, eval_sequences=16, **extra)
         metrics = train(config, train_data, eval_data, target=target_model, progress=False)
     finally:
         cls.loss = original
     assert metrics["finished"] and metrics["steps"] == 60
-    assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
+    if kind != "eagle" and extra.get("loss", "ce") == "ce":  # cross-entropy bottoms out at the target's entropy
+        assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.05
+    else:
+        assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
     assert json.loads((tmp_path / kind / "metrics.json").read_text())["steps"] == 60
     assert metrics["held_out_top1_agreement"] > 0.2  # chance is 1/32
+    assert metrics["draft_vocab"] == extra.get("draft_vocab", None if kind != "eagle3" else V)
+    assert len(metrics["held_out_by_step"]) == extra.get("ttt_steps", 1)
 
     # The saved drafter reloads and gives the same logits as the trained one (stored in bfloat16).
     prompt = torch.tensor([[1, 4, 7, 10, 14, 17]])
     with torch.no_grad():
-        features = target_model(prompt, output_hidden_states=True).hidden_states[-1]
         if kind == "eagle":
+            features = target_model(prompt, output_hidden_states=True).hidden_states[-1]
             head = load_head(tmp_path / kind, target_model)
             again = load_head(tmp_path / kind, target_model)
             embeds = target_model.get_input_embeddings()(prompt[:, 1:])
             assert torch.equal(head(embeds, features[:, :-1]), again(embeds, features[:, :-1]))
             drafter = EagleDrafter(head, target_model, V)
+        elif kind == "eagle3":
+            head = load_eagle3(tmp_path / kind, target_model)
+            assert len(head.vocab) == extra["draft_vocab"]
+            drafter = EagleDrafter(head, target_model, V)
         else:
             draft = load_draft_lm(tmp_path / kind, target_model)
             assert torch.equal(draft(prompt).logits, load_draft_lm(tmp_path / kind, target_model)(prompt).logits)
+            if "draft_vocab" in extra:
+                assert draft(prompt).logits.shape[-1] == extra["draft_vocab"]
             drafter = ModelDrafter(draft, V)
     # And it drafts inside the loop, losslessly under greedy SD.
     tokens, stats = decode(target_model, drafter, prompt, DecodeConfig(method="sd", max_new_tokens=24), V)
@@ -100,18 +117,22 @@ def test_bad_config():
         TrainConfig(kind="medusa", out="x")
     with pytest.raises(ValueError):
         TrainConfig(kind="eagle", out="x", batch_size=0)
+    with pytest.raises(ValueError, match="loss"):
+        TrainConfig(kind="draft", out="x", loss="kl")
+    with pytest.raises(ValueError, match="eagle3"):
+        TrainConfig(kind="eagle", out="x", draft_vocab=100)
 
 
 def test_interrupt_keeps_a_resumable_checkpoint(tmp_path, corpus, target_model, monkeypatch):
-    import fuzzyspec.train as module
+    import fuzzyspec.objectives as module
     train_data, eval_data = corpus
     original, calls = module.EagleObjective.loss, []
 
-    def interrupted(self, tokens, lengths):
+    def interrupted(self, tokens, lengths, loss_from):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return original(self, tokens, lengths)
+        return original(self, tokens, lengths, loss_from)
 
     monkeypatch.setattr(module.EagleObjective, "loss", interrupted)
     config = TrainConfig(kind="eagle", out=str(tmp_path / "run"), epochs=1, batch_size=8, eval_sequences=8)
