@@ -1,15 +1,16 @@
 """Batched decoding throughput on the embedded pair: tokens/s at batch 1, 4 and 16.
 
 N held-out ShareGPT prompts (default 16) x M new tokens (EOS does not stop a row, so every row yields
-M tokens), greedy, gamma 5, the shipped draft LM. For each method and batch size B, the prompts are
-decoded B at a time by ``BatchDecoder`` (a full batch per group, rows leaving as they finish), and
+M tokens), greedy, gamma 5, a drafter by name (default: the shipped draft LM). For each method and batch
+size B, the prompts are decoded B at a time by the engine (a full batch per group, rows leaving as they
+finish), and
 the single-sequence loop ``decode`` runs the same prompts one by one as the reference. Printed:
 total tokens / total seconds, the ratio to the single-sequence loop, tokens per target pass (per row), and
 how many rows equal their single-sequence output token for token (bfloat16 rounds differently at
 different batch shapes, so a few greedy rows can part ways where two tokens are nearly tied).
 
 Usage: python benchmarks/bench_batching.py [--prompts 16] [--max-new-tokens 64] [--batch-sizes 1,4,16]
-           [--methods ar,sd,fsd] [--threshold 0.5] [--threads 2] [--dtype auto]
+           [--methods ar,sd,fsd] [--threshold 0.5] [--draft draft] [--threads 2] [--dtype auto]
 """
 from __future__ import annotations
 
@@ -22,9 +23,7 @@ import time
 import torch
 
 from fuzzyspec.api import ModelPair
-from fuzzyspec.batching import BatchDecoder
-from fuzzyspec.decoding import DecodeConfig, decode
-from fuzzyspec.drafters import ModelDrafter
+from fuzzyspec.decoding import DecodeConfig, Engine, decode
 from fuzzyspec.tasks import get_task
 
 
@@ -32,9 +31,10 @@ def run_batched(pair: ModelPair, prompts: list[torch.Tensor], config: DecodeConf
                 ) -> tuple[list[list[int]], float, int]:
     outputs, seconds, passes = [], 0.0, 0
     for start in range(0, len(prompts), batch):
-        decoder = BatchDecoder(pair.target, pair.draft, pair.vocab_size)
+        decoder = Engine(pair.target, pair.vocab_size)
         began = time.perf_counter()
-        rows = [decoder.add(ids, config) for ids in prompts[start: start + batch]]
+        group = prompts[start: start + batch]
+        rows = decoder.add_many(group, [config] * len(group), [pair.drafter(config) for _ in group])
         while decoder.rows:
             decoder.step()
         seconds += time.perf_counter() - began
@@ -47,8 +47,7 @@ def run_single(pair: ModelPair, prompts: list[torch.Tensor], config: DecodeConfi
                ) -> tuple[list[list[int]], float, int]:
     outputs, seconds, passes = [], 0.0, 0
     for ids in prompts:
-        drafter = None if config.method == "ar" else ModelDrafter(pair.draft, pair.vocab_size)
-        tokens, stats = decode(pair.target, drafter, ids, config, pair.vocab_size)
+        tokens, stats = decode(pair.target, pair.drafter(config), ids, config, pair.vocab_size)
         seconds += stats.wall_s
         passes += stats.target_forwards
         outputs.append(tokens[0].tolist())
@@ -62,15 +61,16 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--methods", default="ar,sd,fsd")
     parser.add_argument("--threshold", type=float, default=0.5, help="T of fsd (js)")
+    parser.add_argument("--draft", default="draft", help="the drafter, by name (default: the shipped draft LM)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    pair = ModelPair.load(dtype=args.dtype)
+    pair = ModelPair.load(draft=args.draft, dtype=args.dtype)
     prompts = [pair.encode(e.prompt) for e in get_task("freeform").examples(args.prompts)]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    print(f"fuzzyspec bench_batching: SmolLM2-135M-Instruct + shipped draft LM, {len(prompts)} held-out prompts "
+    print(f"fuzzyspec bench_batching: SmolLM2-135M-Instruct + drafter {args.draft}, {len(prompts)} held-out prompts "
           f"x {args.max_new_tokens} tokens, greedy, gamma 5, {pair.target.dtype}, {args.threads} threads, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
     print(f"{'method':<12} {'decoder':<14} {'tok/s':>7} {'x single':>8} {'tok/pass':>8} {'same as single':>15}")

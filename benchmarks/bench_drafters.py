@@ -1,25 +1,21 @@
-"""Benchmark the shipped drafters of the embedded target: chains, and EAGLE-2 trees.
+"""Benchmark drafters of the embedded target on prompts they never saw: chains, EAGLE-2 trees, the default job.
 
-On N held-out ShareGPT prompts (conversations that training never saw), greedy,
-M new tokens each (EOS does not stop a run, so every run yields M tokens), all in
-one process with the configurations interleaved per prompt (the starting one
-rotating), so machine noise hits all alike:
+Two prompt sets, side by side: ``everyday`` (fuzzyspec/prompts/everyday.jsonl, written for the project in
+eight categories, never used in training) and ``sharegpt`` (held-out ShareGPT conversations, the
+training source's own distribution). Greedy, M new tokens per prompt (EOS does not stop a run, so every
+configuration yields the same number of tokens), bfloat16, all in one process with the configurations
+interleaved per prompt (the starting one rotating), so machine noise hits all alike.
 
-  AR                          the target alone
-  draft LM sd / fsd T         chains from the shipped draft LM (gamma drafts)
-  EAGLE head sd / fsd T       chains from the shipped EAGLE head
-  EAGLE-2 tree sd / fsd T     (--trees) EAGLE-2 dynamic trees from the same head
+Rows: our AR; llama.cpp's plain greedy decoding of the same GGUF (when llama-cpp-python is installed);
+chain SD with the draft LM and with the EAGLE head; lossless EAGLE-2 trees; the CLI's default job; and
+any --extra configurations. Columns: tokens/s and its ratio to AR, tokens per target pass, "prefix"
+(mean fraction of the M tokens made before the first difference from AR's greedy text; 1.00 =
+identical) and "nll" (the target's mean negative log-likelihood per token of the text). Below the
+table: the time of one draft step of each drafter against one target step (a 1-token forward on a
+200-token cache, medians), which decides how cheap drafting is.
 
-Columns: tokens/s, its ratio to AR, tokens per target pass (mean accepted + 1),
-and two reference-free quality figures: "prefix", the mean fraction of the M
-tokens produced before the first difference from AR's greedy output (1.00 =
-identical), and "nll", the target's mean negative log-likelihood per token of
-the generated text (lower = more what the target itself would say; AR's greedy
-text sets the baseline).
-
-Usage: python benchmarks/bench_drafters.py [--prompts 50] [--max-new-tokens 128] [--gamma 5]
-           [--thresholds 0.3] [--tree-thresholds T,...] [--divergence js] [--fuzzy-rule fsd] [--trees]
-           [--tree-total-tokens 16] [--tree-depth 5] [--tree-top-k 4] [--no-chains] [--threads 2] [--json PATH]
+Usage: python benchmarks/bench_drafters.py [--sets everyday,sharegpt] [--prompts 16] [--max-new-tokens 128]
+           [--draft DIR] [--eagle DIR] [--threads 2] [--json PATH]
 """
 from __future__ import annotations
 
@@ -28,95 +24,183 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
-from fuzzyspec.api import ModelPair
+from fuzzyspec.api import DEFAULT_DRAFT, DEFAULT_JOB, ModelPair, make_config
 from fuzzyspec.data import prompts, read_sharegpt, split
-from fuzzyspec.loading import load_draft
+from fuzzyspec.decoding import target_features
+from fuzzyspec.kvcache import crop_to
+from fuzzyspec.loading import embedded_gguf, load_draft
+from fuzzyspec.sampling import Sampling
 from fuzzyspec.quality import first_difference, target_nll
+from fuzzyspec.tasks import FreeForm
+
+EVERYDAY = Path(__file__).resolve().parents[1] / "fuzzyspec" / "prompts" / "everyday.jsonl"
+TREE = dict(tree=True, tree_total_tokens=16, tree_depth=5, tree_top_k=4)
+
+
+def load_prompts(name: str, count: int) -> list[str]:
+    if name == "everyday":
+        examples = FreeForm(str(EVERYDAY)).examples()
+        # The same number from every category: every eighth prompt first, then the next ones.
+        ordered = [examples[i] for offset in range(8) for i in range(offset, len(examples), 8)]
+        return [e.prompt for e in ordered[:count]]
+    _, held_out = split(read_sharegpt())
+    return prompts(held_out, count, max_chars=2000)
+
+
+class LlamaCpp:
+    """llama.cpp's own greedy decoding of the same GGUF file, fed the same token ids."""
+
+    def __init__(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.model = Llama(model_path=str(embedded_gguf()), n_threads=threads, n_ctx=4096, verbose=False)
+
+    def generate(self, ids: list[int], count: int) -> tuple[list[int], float]:
+        self.model.reset()
+        start, tokens = time.perf_counter(), []
+        for token in self.model.generate(ids, top_k=1, temp=0.0, reset=True):
+            tokens.append(token)
+            if len(tokens) == count:
+                break
+        return tokens, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def step_times(pair: ModelPair, drafted: dict[str, ModelPair], repeats: int = 30) -> dict[str, float]:
+    """Median ms of one target step (one new token on a 200-token cache) and of one draft step of each
+    drafter: the extra time of proposing k + 1 tokens rather than k after the same 200 tokens."""
+    ids = torch.randint(0, pair.vocab_size, (1, 201))
+    cache = DynamicCache()
+    pair.target(input_ids=ids[:, :200], past_key_values=cache, use_cache=True)
+
+    def target_step() -> None:
+        pair.target(input_ids=ids[:, 200:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        crop_to(cache, 200)
+
+    def median(run) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2] * 1000
+
+    times = {"target": median(target_step)}
+    sampling = Sampling()
+    for name, other in drafted.items():
+        drafter = other.drafter(make_config(method="sd"))
+        if getattr(drafter, "wants_target_features", False):
+            hidden = pair.target(input_ids=ids[:, :200], output_hidden_states=True).hidden_states
+            drafter.observe(0, target_features(hidden, drafter)[:, :199])
+        drafter.propose(ids, 4, sampling, None)
+        times[name] = median(lambda: drafter.propose(ids, 5, sampling, None)) - \
+            median(lambda: drafter.propose(ids, 4, sampling, None))
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--sets", default="everyday,sharegpt")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--thresholds", default="0.3", help="comma-separated FSD thresholds ('' for none)")
-    parser.add_argument("--tree-thresholds", default=None, help="FSD thresholds for trees (default: --thresholds)")
-    parser.add_argument("--divergence", default="js")
-    parser.add_argument("--fuzzy-rule", default="fsd", choices=["fsd", "fsd-hybrid"],
-                        help="the rule run at each threshold (default: fsd)")
-    parser.add_argument("--trees", action="store_true", help="add EAGLE-2 tree configurations")
-    parser.add_argument("--no-chains", action="store_true", help="leave out the chain configurations")
-    parser.add_argument("--tree-total-tokens", type=int, default=16)
-    parser.add_argument("--tree-depth", type=int, default=5)
-    parser.add_argument("--tree-top-k", type=int, default=4)
+    parser.add_argument("--draft", default=None, help="draft LM folder (default: the shipped one)")
+    parser.add_argument("--eagle", default="eagle", help="EAGLE head: 'eagle' (shipped) or eagle:DIR")
+    parser.add_argument("--extra", action="append", default=[],
+                        help="another row: NAME=JSON options, with 'drafter' naming draft or eagle")
+    parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    _, held_out = split(read_sharegpt())
-    texts = prompts(held_out, args.prompts, max_chars=2000)
-    draft_lm = ModelPair.load(draft="default")
-    eagle = ModelPair(draft_lm.target, draft_lm.tokenizer,
-                      load_draft("eagle", draft_lm.target, draft_lm.tokenizer))  # one target in memory
-    thresholds = [float(t) for t in args.thresholds.split(",") if t]
-    tree = dict(tree=True, tree_total_tokens=args.tree_total_tokens, tree_depth=args.tree_depth,
-                tree_top_k=args.tree_top_k)
-    tree_thresholds = thresholds if args.tree_thresholds is None else \
-        [float(t) for t in args.tree_thresholds.split(",") if t]
-    families = [] if args.no_chains else [("draft LM", draft_lm, {}, thresholds), ("EAGLE head", eagle, {}, thresholds)]
-    if args.trees:
-        families.append((f"EAGLE-2 tree {args.tree_total_tokens}/{args.tree_depth}/{args.tree_top_k}", eagle, tree,
-                         tree_thresholds))
-    configs = [("AR", draft_lm, dict(method="ar"))]
-    for name, pair, extra, thresholds in families:
-        configs.append((f"{name} sd", pair, dict(method="sd", **extra)))
-        configs += [(f"{name} {args.fuzzy_rule} {args.divergence} T={t}", pair,
-                     dict(method=args.fuzzy_rule, divergence=args.divergence, threshold=t, **extra))
-                    for t in thresholds]
-    totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "prefix": 0.0, "nll": 0.0} for name, _, _ in configs}
-    common = dict(gamma=args.gamma, max_new_tokens=args.max_new_tokens, eos_token_ids=())
+    base = ModelPair.load(draft=None, dtype="bfloat16")
+    pairs = {"draft": ModelPair(base.target, base.tokenizer,
+                                load_draft(args.draft, base.target, base.tokenizer)),
+             "eagle": ModelPair(base.target, base.tokenizer, load_draft(args.eagle, base.target, base.tokenizer))}
+    default_drafter = "eagle" if DEFAULT_JOB["draft"] == "eagle" else "draft"
+    default_options = {k: v for k, v in DEFAULT_JOB.items() if k != "draft"}
+    configs: list[tuple[str, ModelPair | None, dict]] = [("AR", base, dict(method="ar"))]
+    llama = None
+    if not args.no_llama_cpp:
+        try:
+            llama = LlamaCpp(args.threads)
+            configs.append(("llama.cpp greedy (same GGUF)", None, {}))
+        except ImportError:
+            print("llama-cpp-python is not installed: no llama.cpp row", file=sys.stderr)
+    configs += [("draft LM chain sd", pairs["draft"], dict(method="sd")),
+                ("EAGLE chain sd", pairs["eagle"], dict(method="sd")),
+                ("EAGLE-2 tree 16/5/4 sd", pairs["eagle"], dict(method="sd", **TREE)),
+                ("default job (" + " ".join(str(v) for v in DEFAULT_JOB.values()) + ")", pairs[default_drafter],
+                 default_options)]
+    for extra in args.extra:
+        name, options = extra.split("=", 1)
+        options = json.loads(options)
+        configs.append((name, pairs[options.pop("drafter", "eagle")], options))
 
+    common = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=())
     for name, pair, options in configs:  # warm-up
-        pair.generate(texts[0], **{**common, **options, "max_new_tokens": 8})
-    for i, text in enumerate(texts):
-        ids = draft_lm.encode(text)
-        outputs = {}
-        for name, pair, options in configs[i % len(configs):] + configs[: i % len(configs)]:
-            start = time.perf_counter()
-            result = pair.generate(ids, **common, **options)
-            seconds = time.perf_counter() - start
-            row = totals[name]
-            row["tokens"] += result.stats.new_tokens
-            row["seconds"] += seconds
-            row["forwards"] += result.stats.target_forwards
-            outputs[name] = result.tokens
-        for name, tokens in outputs.items():  # quality, outside the timed calls
-            totals[name]["prefix"] += first_difference(tokens, outputs["AR"]) / max(len(outputs["AR"]), 1)
-            totals[name]["nll"] += target_nll(draft_lm.target, ids, tokens, draft_lm.vocab_size)
-        print(f"[{i + 1}/{len(texts)}] done", file=sys.stderr, flush=True)
+        if pair is not None:
+            pair.generate("Hello", **{**common, **options, "max_new_tokens": 8})
+    results = {}
+    for set_name in [s for s in args.sets.split(",") if s]:
+        texts = load_prompts(set_name, args.prompts)
+        totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "prefix": 0.0, "nll": 0.0}
+                  for name, _, _ in configs}
+        for i, text in enumerate(texts):
+            ids = base.encode(text)
+            outputs = {}
+            order = configs[i % len(configs):] + configs[: i % len(configs)]
+            for name, pair, options in order:
+                if pair is None:
+                    tokens, seconds = llama.generate(ids[0].tolist(), args.max_new_tokens)
+                    forwards = len(tokens)
+                else:
+                    start = time.perf_counter()
+                    result = pair.generate(ids, **common, **options)
+                    seconds = time.perf_counter() - start
+                    tokens, forwards = result.tokens, result.stats.target_forwards
+                row = totals[name]
+                row["tokens"] += len(tokens)
+                row["seconds"] += seconds
+                row["forwards"] += forwards
+                outputs[name] = tokens
+            for name, tokens in outputs.items():  # quality, outside the timed calls
+                totals[name]["prefix"] += first_difference(tokens, outputs["AR"]) / max(len(outputs["AR"]), 1)
+                totals[name]["nll"] += target_nll(base.target, ids, tokens, base.vocab_size)
+            print(f"[{set_name} {i + 1}/{len(texts)}] done", file=sys.stderr, flush=True)
+        ar_speed = totals["AR"]["tokens"] / totals["AR"]["seconds"]
+        results[set_name] = [{"configuration": name, "tokens_per_s": row["tokens"] / row["seconds"],
+                              "vs_ar": row["tokens"] / row["seconds"] / ar_speed,
+                              "tokens_per_target_pass": row["tokens"] / row["forwards"],
+                              "prefix_same_as_ar": row["prefix"] / len(texts),
+                              "target_nll": row["nll"] / len(texts), "prompts": len(texts)}
+                             for name, row in totals.items()]
 
-    ar_speed = totals["AR"]["tokens"] / totals["AR"]["seconds"]
-    print(f"fuzzyspec bench_drafters: SmolLM2-135M-Instruct, {len(texts)} held-out ShareGPT prompts x "
-          f"{args.max_new_tokens} tokens, greedy, gamma {args.gamma}, bfloat16, {args.threads} threads, "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print(f"{'configuration':<36} {'tok/s':>7} {'xAR':>6} {'tok/pass':>9} {'prefix':>7} {'nll':>6}")
-    rows = []
-    for name, _, _ in configs:
-        row = totals[name]
-        speed = row["tokens"] / row["seconds"]
-        result = {"configuration": name, "tokens_per_s": speed, "vs_ar": speed / ar_speed,
-                  "tokens_per_target_pass": row["tokens"] / row["forwards"],
-                  "prefix_same_as_ar": row["prefix"] / len(texts), "target_nll": row["nll"] / len(texts)}
-        rows.append(result)
-        print(f"{name:<36} {speed:>7.1f} {result['vs_ar']:>6.2f} {result['tokens_per_target_pass']:>9.2f} "
-              f"{result['prefix_same_as_ar']:>7.2f} {result['target_nll']:>6.3f}")
+    steps = step_times(base, {"draft LM": pairs["draft"], "EAGLE head": pairs["eagle"]})
+    print(f"fuzzyspec bench_drafters: SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} tokens per prompt, "
+          f"bfloat16, {args.threads} threads, torch {torch.__version__}, {platform.machine()}; "
+          f"draft LM {args.draft or DEFAULT_DRAFT}, EAGLE head {args.eagle}")
+    names = list(results)
+    print(f"{'configuration':<34}" + "".join(f" | {n + ' (' + str(results[n][0]['prompts']) + ')':^38}"
+                                              for n in names))
+    print(f"{'':<34}" + " | tok/s   xAR tok/pass prefix   nll" * len(names))
+    for index, (name, _, _) in enumerate(configs):
+        line = f"{name:<34}"
+        for n in names:
+            r = results[n][index]
+            line += (f" | {r['tokens_per_s']:5.1f} {r['vs_ar']:5.2f} {r['tokens_per_target_pass']:8.2f} "
+                     f"{r['prefix_same_as_ar']:6.2f} {r['target_nll']:5.3f}")
+        print(line)
+    print("one step (ms, median): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()) + "; draft/target: "
+          + ", ".join(f"{k} 1/{steps['target'] / v:.1f}" for k, v in steps.items() if k != "target"))
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"args": vars(args), "rows": rows}, file, indent=2)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "step_ms": steps},
+                                              indent=2))
 
 
 if __name__ == "__main__":

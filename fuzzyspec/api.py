@@ -10,16 +10,15 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .decoding import DecodeConfig, decode
-from .drafters import Drafter, ModelDrafter
-from .eagle import HEADS, EagleDrafter, EagleHead, EagleTreeDrafter
-from .eagle3 import Eagle3Head
+from .drafters import Drafter
 from .hf import eos_token_ids
-from .loading import load_draft, load_model, shared_vocab_size
+from .loading import load_model, shared_vocab_size
+from .options import DEFAULT_JOB
+from .registry import DEFAULT_DRAFT, DrafterSource, load_drafter
 from .sampling import Sampling
 from .stats import Stats
 from .text import TextStream
 
-DEFAULT_DRAFT = "default"  # the draft LM shipped for the embedded target
 SAMPLING_KEYS = {f.name for f in dataclasses.fields(Sampling)}
 
 
@@ -53,40 +52,45 @@ def input_device(model: PreTrainedModel) -> torch.device:
 
 
 class ModelPair:
-    """A target model, its tokenizer and an optional draft model sharing its vocabulary."""
+    """A target model, its tokenizer and an optional drafter (``registry.DrafterSource``)."""
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 draft: PreTrainedModel | EagleHead | Eagle3Head | None = None) -> None:
+                 draft: DrafterSource | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.draft = draft
-        self.vocab_size = shared_vocab_size(target, None if isinstance(draft, HEADS) else draft, tokenizer)
+        widths = [draft.width] if draft is not None and draft.width is not None else []
+        self.vocab_size = shared_vocab_size(target, widths, tokenizer)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = DEFAULT_DRAFT,
              dtype: str = "auto", device: str = "cpu") -> "ModelPair":
-        """Load by name (see ``loading.load_model`` and ``loading.load_draft``). ``target=None`` is
-        the embedded SmolLM2-135M-Instruct; ``draft="default"`` the draft LM shipped for it,
-        ``"eagle"`` the EAGLE head shipped for it, ``None`` no draft (AR only)."""
+        """Load by name (see ``loading.load_model`` and ``registry``). ``target=None`` is the embedded
+        SmolLM2-135M-Instruct; ``draft="default"`` the drafter of its default job, ``None`` no drafter
+        (AR only)."""
         target_model, tokenizer = load_model(target, dtype, device)
-        draft_model = None if draft is None else load_draft(
-            None if draft == DEFAULT_DRAFT else draft, target_model, tokenizer, target, dtype, device)
-        return cls(target_model, tokenizer, draft_model)
+        pair = cls(target_model, tokenizer)
+        if draft is not None:
+            pair.draft = load_drafter(draft, target_model, tokenizer, pair.vocab_size, target, dtype, device)
+            pair.vocab_size = shared_vocab_size(target_model, [pair.draft.width] if pair.draft.width else [],
+                                                tokenizer)
+        return pair
+
+    def with_drafter(self, name: str, target_name: str | None = None, dtype: str = "auto",
+                     device: str = "cpu") -> "ModelPair":
+        """The same target with another drafter (loaded by name; the target stays shared)."""
+        return ModelPair(self.target, self.tokenizer,
+                         load_drafter(name, self.target, self.tokenizer, self.vocab_size, target_name, dtype, device))
 
     def drafter(self, config: DecodeConfig) -> Drafter | None:
-        """A fresh drafter for one call: none for AR, an EAGLE drafter for a head, else a model drafter."""
+        """A fresh drafter for one sequence: none for AR."""
         if config.method == "ar":
             return None
         if self.draft is None:
-            raise ValueError(f"method {config.method!r} needs a draft model")
-        if isinstance(self.draft, HEADS):
-            if config.tree:
-                return EagleTreeDrafter(self.draft, self.target, self.vocab_size, config.tree_total_tokens,
-                                        config.tree_depth, config.tree_top_k)
-            return EagleDrafter(self.draft, self.target, self.vocab_size, config.draft_confidence)
-        if config.tree:
-            raise ValueError("tree drafting needs an EAGLE head as the draft (--draft eagle or eagle:DIR)")
-        return ModelDrafter(self.draft, self.vocab_size, config.draft_confidence)
+            raise ValueError(f"method {config.method!r} needs a drafter (--draft)")
+        if config.tree and not self.draft.drafts_trees:
+            raise ValueError("tree drafting needs an EAGLE head as the drafter (--draft eagle or eagle:DIR)")
+        return self.draft.new()
 
     def encode(self, prompt: str | Sequence[dict], chat: bool = True) -> Tensor:
         """Token ids [1, L] of a prompt: a string, or chat messages; chat templates apply when ``chat``."""

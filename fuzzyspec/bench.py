@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from .api import DEFAULT_DRAFT, ModelPair, Result, eos_ids, make_config
 from .calibrate import calibrate_pair
 from .decoding import DecodeConfig
-from .loading import EMBEDDED, load_draft
+from .loading import EMBEDDED
 from .quality import greedy_agreement, target_nll
 from .rules import FUZZY
 from .tasks import Example, Task, get_task
@@ -179,9 +179,7 @@ class Sweep:
                 self._pairs["ar"] = base
             base = self._pairs["ar"]
             if name != "ar":
-                draft = load_draft(None if name == DEFAULT_DRAFT else name, base.target, base.tokenizer,
-                                   s.target, s.dtype, s.device)
-                self._pairs[name] = ModelPair(base.target, base.tokenizer, draft)
+                self._pairs[name] = base.with_drafter(name, s.target)
         return self._pairs[name]
 
     def ids(self, example: Example) -> torch.Tensor:

@@ -1,11 +1,27 @@
-"""The decoding loop: draft, verify in one target pass, accept, roll back the caches.
+"""The decoding engine: AR, SD, FSD and FSD-hybrid, for any drafter, chains and trees, one sequence or many.
 
-``decode`` runs AR (no drafter), SD, FSD and FSD-hybrid alike: the rule is a
-function from ``rules.RULES`` and the drafter anything with ``propose``. The
-target keeps a KV cache of every token but the newest; each step feeds what
-the cache lacks (the prompt at first, then the newest token) with the drafts,
-and crops the cache back to what was accepted, so no prefix is recomputed. With
-no drafts the first step is exactly Hugging Face's prefill.
+One ``Engine.step`` runs one round for every row of the batch:
+
+1. each row's drafter proposes a ``Draft``, a tree of tokens below the row's newest
+   token (a chain is a tree with one child per node; AR rows and drafters with
+   nothing to say propose none), within the row's budget (gamma, its schedule,
+   draft-confidence stops, the tree shape, the tokens left);
+2. the target scores every row's newest token and all of its drafts in ONE forward
+   pass over a padded KV cache (``kvcache.PaddedCache``): each draft attends to its
+   row's cache, the newest token and its own ancestors, at position newest + depth;
+3. each row's rule (``rules`` for chains, vectorised; ``tree_rules.walk`` for trees)
+   keeps a path of drafts and emits one more token from the target;
+4. each row keeps the newest token and its accepted path in the cache (a path's
+   entries move up; rejected positions become invalid, and positions no row kept
+   are cropped), feature-reading drafters get the target's hidden states of what
+   stays, and rows that reach EOS, their length or a stop callback leave.
+
+Rows join between steps (``add``/``add_many`` prefill their prompts together), and
+each carries its own ``DecodeConfig`` (rule, divergence, threshold, sampling, length,
+seed, gamma schedule, tree shape) and random generator, so a row decodes as it would
+alone (exactly so in greedy mode, up to floating-point rounding). ``decode`` is a
+batch of one. FSD with T = inf on chains accepts every draft: such rows run their
+drafter alone, with no target pass (except drafters that need the target's features).
 """
 from __future__ import annotations
 
@@ -16,16 +32,14 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
-from .divergences import canonical_name, divergence
-from .drafters import Drafter, Proposal
-from .kvcache import crop_to
+from .divergences import canonical_name, divergence, point_divergence
+from .drafters import Budget, Draft, Drafter
+from .kvcache import PaddedCache
 from .rules import FUZZY, RULES
-from .sampling import Sampling, raw_probs
+from .sampling import Sampling, raw_probs, sample
 from .stats import Stats
 from .tree_rules import walk
-from .trees import TreeProposal, keep_path, model_mask, tree_inputs
 
 METHODS = ("ar", "sd", "fsd", "fsd-hybrid")
 SCHEDULES = ("constant", "heuristic")
@@ -44,6 +58,7 @@ class DecodeConfig:
     raw_divergence: compute D on unprocessed softmax distributions, as the FSD
         reference code did, instead of on the processed ones.
     eos_token_ids: generation ends at the first of these (which is kept).
+    tree: draft EAGLE-2 trees (total nodes, depth, children per node) instead of chains.
     """
 
     method: str = "fsd"
@@ -59,7 +74,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    tree: bool = False  # EAGLE-2 draft trees instead of chains (EAGLE heads only)
+    tree: bool = False
     tree_total_tokens: int = 16
     tree_depth: int = 5
     tree_top_k: int = 4
@@ -88,6 +103,18 @@ class DecodeConfig:
         (In a tree the target still picks which child to follow.)"""
         return self.method == "fsd" and self.threshold == math.inf and not self.tree
 
+    def budget(self, gamma: int, remaining: int) -> Budget | None:
+        """What the drafter may propose with ``remaining`` tokens to go: None when nothing (AR, or one token
+        left, which the target gives). A verified step adds one token after the drafts."""
+        if self.method == "ar":
+            return None
+        if self.draft_only:
+            return Budget(min(gamma, remaining), None, self.draft_confidence)
+        if remaining < 2:
+            return None
+        tree = (self.tree_total_tokens, self.tree_depth, self.tree_top_k) if self.tree else None
+        return Budget(min(gamma, remaining - 1), tree, self.draft_confidence)
+
 
 Callback = Callable[[Tensor], bool]
 
@@ -95,164 +122,313 @@ Callback = Callable[[Tensor], bool]
 def target_features(hidden_states: tuple[Tensor, ...], drafter: Drafter) -> Tensor:
     """The target's hidden states a feature-reading drafter asks for (``feature_layers``, indices
     into ``hidden_states``), concatenated on the last dimension."""
-    layers = getattr(drafter, "feature_layers", [-1])
+    layers = drafter.feature_layers or [-1]
     return torch.cat([hidden_states[i] for i in layers], -1) if len(layers) > 1 else hidden_states[layers[0]]
 
 
-def _divergences(config: DecodeConfig, target_logits: Tensor, p: Tensor, draft_logits: Tensor, q: Tensor) -> Tensor:
-    """D(p, q) row by row, on the processed distributions or (``raw_divergence``) the raw ones."""
+@dataclass
+class Verdict:
+    """A rule's decision on one row's draft: the accepted nodes (root's child first), the token after them,
+    what the statistics record (drafts that could have been accepted, and D where a fuzzy rule read it)."""
+
+    path: list[int]
+    token: int
+    proposed: int
+    d: Tensor | None
+
+
+def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: torch.Generator | None
+          ) -> Verdict:
+    """Apply the row's rule to its draft, given the target's logits [n + 1, V] at the root and every node."""
+    sampling = config.sampling
+    p = sampling.probs(logits)
+    rule = "sd" if config.method == "ar" else config.method
+    fuzzy = rule in FUZZY
+    n = len(draft) if draft is not None else 0
+    if n == 0:
+        token = p[0].argmax() if sampling.greedy else sample(p[0], generator)
+        return Verdict([], int(token), 0, None)
+    d = None
+    if draft.is_chain:
+        if fuzzy:
+            d = _divergences(config, draft, logits[:n], p[:n], slice(0, n))
+        # q matters to SD's test only where the chain was drawn from it; a chosen token is a point mass.
+        q = draft.widened(slice(0, n))[1][None] if draft.sampled and not sampling.greedy else None
+        accepted, token = RULES[rule](draft.tokens[None], p[None], q, d[None] if d is not None else None,
+                                      config.threshold, sampling.greedy, generator)
+        return Verdict(list(range(int(accepted[0]))), int(token[0]), n, d)
+    if fuzzy:
+        if draft.q is None:
+            raise ValueError("fuzzy rules on a draft tree need the draft's distributions")
+        expanded = draft.q.sum(-1) > 0  # only rows with drafted children have a D
+        d = torch.full((n + 1,), math.inf, device=p.device)
+        d[expanded] = _divergences(config, draft, logits[expanded], p[expanded], expanded)
+    path, token = walk(rule, draft, p, d, config.threshold, sampling.greedy, generator)
+    return Verdict(path, token, max(draft.depths), d[expanded] if d is not None else None)
+
+
+def _divergences(config: DecodeConfig, draft: Draft, target_logits: Tensor, p: Tensor, rows) -> Tensor:
+    """D(p, q) at the draft's ``rows``: on the processed distributions or (``raw_divergence``) the raw ones;
+    a draft without distributions is a point mass on each drafted token."""
+    options = dict(top_k=config.divergence_top_k, top_p=config.divergence_top_p)
     if config.raw_divergence:
-        p, q = raw_probs(target_logits), raw_probs(draft_logits)
-    return divergence(p, q, config.divergence, top_k=config.divergence_top_k, top_p=config.divergence_top_p)
+        p = raw_probs(target_logits)
+    if draft.q is None:
+        return point_divergence(p, draft.tokens[rows], config.divergence, **options)
+    draft_logits, q = draft.widened(rows)
+    if config.raw_divergence:
+        q = raw_probs(draft_logits)
+    return divergence(p, q, config.divergence, **options)
 
 
 @dataclass
-class _Step:
-    """What one verification yields: the new tokens ([1, m]) and what the statistics record."""
+class Row:
+    """One sequence of the batch and everything that decides and records its decoding."""
 
-    new: Tensor
-    proposed: int
-    accepted: int
-    d: Tensor | None
-    accept_s: float  # time in the divergence and the rule (the acceptance step)
+    config: DecodeConfig
+    drafter: Drafter | None
+    on_tokens: Callback | None
+    generator: torch.Generator
+    stats: Stats
+    started: float
+    sequence: Tensor  # [1, L]: the prompt and every emitted token
+    prompt_len: int
+    gamma: int
+    finish_reason: str | None = None  # "stop" (EOS or the callback) or "length" once finished
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.sequence[0, self.prompt_len:].tolist()
 
-def _chain_step(target: torch.nn.Module, cache: DynamicCache, sequence: Tensor, proposal: Proposal,
-                config: DecodeConfig, vocab_size: int, generator: torch.Generator, drafter: Drafter | None,
-                wants_features: bool) -> _Step:
-    """Verify a chain of drafts in one target pass; keep the accepted ones in the cache."""
-    drafts, sampling = proposal.tokens, config.sampling
-    k = drafts.shape[1]
-    # Feed what the cache lacks (the whole prompt at first, then the newest token) and the drafts.
-    cached = cache.get_seq_length()
-    out = target(input_ids=torch.cat([sequence[:, cached:], drafts], 1), past_key_values=cache, use_cache=True,
-                 logits_to_keep=k + 1, output_hidden_states=wants_features)
-    logits = out.logits[..., :vocab_size]
-    start = time.perf_counter()
-    p = sampling.probs(logits)
-    # Greedy SD reads neither q nor D: a reduced-vocabulary proposal is then never widened.
-    needs_q = config.method in FUZZY or not sampling.greedy
-    draft_logits, q = proposal.full() if needs_q and k else (proposal.logits, proposal.probs)
-    d = _divergences(config, logits[:, :k], p[:, :k], draft_logits, q) if config.method in FUZZY else None
-    rule = RULES["sd" if config.method == "ar" else config.method]
-    accepted, next_token = rule(drafts, p, q, d, config.threshold, sampling.greedy, generator)
-    n = int(accepted[0])
-    accept_s = time.perf_counter() - start
-    crop_to(cache, sequence.shape[1] + n)  # keep the accepted drafts; next_token is fed next step
-    if wants_features:  # the target's features of every fed token that stays
-        drafter.observe(cached, target_features(out.hidden_states, drafter)[:, : sequence.shape[1] - cached + n])
-    return _Step(torch.cat([drafts[:, :n], next_token.view(1, 1)], 1), k, n, d, accept_s)
+    @property
+    def generated(self) -> int:
+        return self.sequence.shape[1] - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
 
-def _tree_step(target: torch.nn.Module, cache: DynamicCache, sequence: Tensor, proposal: TreeProposal,
-               config: DecodeConfig, vocab_size: int, generator: torch.Generator, drafter: Drafter,
-               wants_features: bool) -> _Step:
-    """Verify a draft tree in one target pass; keep the accepted path in the cache."""
-    sampling, tree = config.sampling, proposal.tree
-    cached = cache.get_seq_length()
-    feed = sequence[:, cached:]
-    m = feed.shape[1]
-    mask, positions = tree_inputs(tree, cached, m)
-    out = target(input_ids=torch.cat([feed, tree.tokens[None]], 1), attention_mask=model_mask(target, mask),
-                 position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=len(tree) + 1,
-                 output_hidden_states=wants_features)
-    logits = out.logits[0, :, :vocab_size]  # row 0: the root, row i + 1: node i
-    start = time.perf_counter()
-    p = sampling.probs(logits)
-    expanded = proposal.q.sum(-1) > 0  # rows with drafted children: only there is D defined
-    d = None
-    if config.method in FUZZY:
-        draft_logits, q = proposal.full()
-        d = torch.full((len(tree) + 1,), math.inf, device=p.device)
-        d[expanded] = _divergences(config, logits[expanded], p[expanded], draft_logits[expanded], q[expanded])
-    path, token = walk(config.method, tree, p, proposal.q, d, config.threshold, sampling.greedy, generator)
-    accept_s = time.perf_counter() - start
-    keep_path(cache, cached + m, path)
-    if wants_features:
-        hidden = target_features(out.hidden_states, drafter)
-        path_rows = torch.tensor(path, dtype=torch.long, device=hidden.device) + m
-        drafter.observe(cached, torch.cat([hidden[:, :m], hidden[:, path_rows]], 1))
-    new = torch.cat([tree.tokens[path], torch.tensor([token], device=tree.tokens.device)])[None]
-    # A tree step can accept at most its depth: that is what "proposed" counts for trees.
-    return _Step(new, int(tree.depth.max()), len(path), d[expanded][None] if d is not None else None, accept_s)
+class Engine:
+    """Continuous batched decoding: rows join with ``add``, ``step`` advances them all, finished rows leave.
+
+    ``slots`` are the cache rows in order; a finished row leaves its slot empty (None) until enough
+    slots are empty to be worth the copy of dropping them (``retire_fraction``). ``rows`` are the
+    rows still decoding.
+    """
+
+    def __init__(self, target: torch.nn.Module, vocab_size: int, compact_after: int = 64,
+                 retire_fraction: float = 0.25) -> None:
+        self.target, self.vocab_size = target, vocab_size
+        self.compact_after, self.retire_fraction = compact_after, retire_fraction
+        self.device = target.get_input_embeddings().weight.device
+        self.cache = PaddedCache(valid=torch.zeros(0, 0, dtype=torch.bool, device=self.device))
+        self.slots: list[Row | None] = []
+
+    @property
+    def rows(self) -> list[Row]:
+        return [row for row in self.slots if row is not None]
+
+    @torch.inference_mode()
+    def add(self, input_ids: Tensor, config: DecodeConfig, drafter: Drafter | None = None,
+            on_tokens: Callback | None = None) -> Row:
+        """Start decoding ``input_ids`` ([1, L]) under ``config``; it runs from the next ``step``."""
+        return self.add_many([input_ids], [config], [drafter], [on_tokens])[0]
+
+    @torch.inference_mode()
+    def add_many(self, prompts: list[Tensor], configs: list[DecodeConfig],
+                 drafters: list[Drafter | None] | None = None,
+                 callbacks: list[Callback | None] | None = None) -> list[Row]:
+        """Start decoding several prompts ([1, L] each), prefilled together in one left-padded pass."""
+        drafters = drafters or [None] * len(prompts)
+        callbacks = callbacks or [None] * len(prompts)
+        for input_ids, config, drafter in zip(prompts, configs, drafters, strict=True):
+            _check(input_ids, config, drafter)
+        prompts = [input_ids.to(self.device) for input_ids in prompts]
+        # Everything but the newest token goes into the cache now; the newest is fed at the first step.
+        width = max(input_ids.shape[1] for input_ids in prompts) - 1
+        heads = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        real = torch.zeros(len(prompts), width, dtype=torch.bool, device=self.device)
+        for b, input_ids in enumerate(prompts):
+            n = input_ids.shape[1] - 1
+            if n:
+                heads[b, width - n:] = input_ids[0, :-1]
+                real[b, width - n:] = True
+        fresh = PaddedCache(valid=torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device))
+        readers = [d for d in drafters if d is not None and d.wants_target_features]
+        out = fresh.forward(self.target, heads, real, 1, hidden_states=bool(readers)) if width else None
+        self._retire(everything=True)
+        self.cache.extend(fresh)
+        added = []
+        for b, (input_ids, config, drafter, on_tokens) in enumerate(zip(prompts, configs, drafters, callbacks)):
+            generator = torch.Generator(device=self.device)
+            if config.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(config.seed)
+            if drafter is not None:
+                drafter.reset()
+                if drafter.wants_target_features and out is not None and input_ids.shape[1] > 1:
+                    n = input_ids.shape[1] - 1
+                    drafter.observe(0, target_features(out.hidden_states, drafter)[b: b + 1, width - n:])
+            row = Row(config, drafter, on_tokens, generator, Stats(method=config.method), time.perf_counter(),
+                      input_ids, input_ids.shape[1], config.gamma)
+            row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
+            self.slots.append(row)
+            added.append(row)
+        return added
+
+    @torch.inference_mode()
+    def step(self) -> list[Row]:
+        """One draft-and-verify round for every row; returns the rows that finished (they leave the batch)."""
+        drafts: dict[int, Draft | None] = {}
+        for b, row in enumerate(self.slots):
+            if row is None:
+                continue
+            budget = row.config.budget(row.gamma, row.remaining) if row.drafter is not None else None
+            draft = row.drafter.propose(row.sequence, budget, row.config.sampling, row.generator) \
+                if budget is not None else None
+            if row.config.draft_only and not row.drafter.wants_target_features and draft is not None and len(draft):
+                row.stats.record_step(len(draft), len(draft), None)  # the draft decodes alone: nothing to verify
+                self._emit(row, draft.tokens.tolist())
+            else:
+                drafts[b] = draft
+        if drafts:
+            self._verify(drafts)
+        finished = [row for row in self.slots if row is not None and row.done]
+        for row in finished:
+            row.stats.new_tokens = row.generated
+            row.stats.wall_s = time.perf_counter() - row.started
+            row.stats.draft_forwards += row.drafter.forwards if row.drafter is not None else 0
+        self.slots = [None if row is None or row.done else row for row in self.slots]
+        self._retire()
+        if self.cache.rows and self.cache.holes > self.compact_after:
+            self.cache.compact()
+        return finished
+
+    def _verify(self, drafts: dict[int, Draft | None]) -> None:
+        """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them."""
+        sizes = {b: len(d) if d is not None else 0 for b, d in drafts.items()}
+        width = 1 + max(sizes.values())
+        rows = len(self.slots)
+        tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        valid = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
+        chains = all(d is None or d.is_chain for d in drafts.values())
+        allowed = None if chains else torch.zeros(rows, width, width, dtype=torch.bool, device=self.device)
+        depths = None if chains else torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        for b, draft in drafts.items():
+            row, n = self.slots[b], sizes[b]
+            tokens[b, 0] = row.sequence[0, -1]
+            valid[b, : 1 + n] = True
+            if n:
+                tokens[b, 1: 1 + n] = draft.tokens
+            if not chains:
+                allowed[b, 0, 0] = True
+                if n:
+                    allowed[b, 1: 1 + n, 0] = True
+                    allowed[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
+                    depths[b, 1: 1 + n] = torch.tensor(draft.depths, device=self.device)
+        readers = {b for b in drafts if self.slots[b].drafter is not None and self.slots[b].drafter.wants_target_features}
+        start = self.cache.length
+        out = self.cache.forward(self.target, tokens, valid, width, allowed, depths, hidden_states=bool(readers))
+        logits = out.logits[..., : self.vocab_size]
+        verdicts = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
+        for b, draft in drafts.items():
+            row, n = self.slots[b], sizes[b]
+            clock = time.perf_counter()
+            verdict = verdicts.get(b) or judge(row.config, draft, logits[b, : 1 + n], row.generator)
+            row.stats.accept_s += time.perf_counter() - clock
+            kept = [0] + [1 + node for node in verdict.path]
+            self.cache.keep(b, start, width, kept)
+            if b in readers:
+                features = target_features(out.hidden_states, row.drafter)[b: b + 1, kept]
+                row.drafter.observe(row.sequence.shape[1] - 1, features)
+            row.stats.target_forwards += 1
+            row.stats.record_step(verdict.proposed, len(verdict.path), verdict.d)
+            if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
+                row.gamma = row.gamma + 2 if len(verdict.path) == verdict.proposed else max(1, row.gamma - 1)
+            new = (draft.tokens[verdict.path].tolist() if verdict.path else []) + [verdict.token]
+            self._emit(row, new)
+        self.cache.crop_unused()
+
+    def _next_tokens(self, slots: list[int], logits: Tensor) -> dict[int, Verdict]:
+        """The next token of every row with no drafts, all at once: greedy rows take the argmax; sampling
+        rows draw from their own processed distribution with their own generator."""
+        if not slots:
+            return {}
+        last = logits[slots, 0]
+        tokens = last.argmax(-1)
+        by_sampling: dict[Sampling, list[int]] = {}
+        for i, b in enumerate(slots):
+            if not self.slots[b].config.sampling.greedy:
+                by_sampling.setdefault(self.slots[b].config.sampling, []).append(i)
+        for sampling, members in by_sampling.items():
+            probs = sampling.probs(last[members])
+            for j, i in enumerate(members):
+                tokens[i] = sample(probs[j], self.slots[slots[i]].generator)
+        return {b: Verdict([], token, 0, None) for b, token in zip(slots, tokens.tolist())}
+
+    def _emit(self, row: Row, new: list[int]) -> None:
+        """Append a step's tokens to the row, stopping at EOS, the length limit or the callback."""
+        new = new[: row.remaining]
+        eos = set(row.config.eos_token_ids)
+        cut = next((i + 1 for i, token in enumerate(new) if token in eos), None)
+        if cut is not None:
+            new = new[:cut]
+        if row.generated == 0:
+            row.stats.first_token_s = time.perf_counter() - row.started
+        added = torch.tensor([new], dtype=torch.long, device=self.device)
+        row.sequence = torch.cat([row.sequence, added], 1)
+        stop = row.on_tokens is not None and bool(row.on_tokens(added))
+        if cut is not None or stop:
+            row.finish_reason = "stop"
+        elif row.remaining <= 0:
+            row.finish_reason = "length"
+
+    def _retire(self, everything: bool = False) -> None:
+        """Drop empty slots from the cache: all of them, or once they are ``retire_fraction`` of the batch."""
+        empty = sum(row is None for row in self.slots)
+        if not empty or (not everything and empty < max(1, self.retire_fraction * len(self.slots))
+                         and empty < len(self.slots)):
+            return
+        keep = torch.tensor([i for i, row in enumerate(self.slots) if row is not None], dtype=torch.long)
+        self.slots = [row for row in self.slots if row is not None]
+        self.cache.select(keep)
+
+
+def _check(input_ids: Tensor, config: DecodeConfig, drafter: Drafter | None) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError("a prompt is one sequence of at least one token, shaped [1, L]")
+    if config.method != "ar" and drafter is None:
+        raise ValueError(f"method {config.method!r} needs a drafter")
+    if config.tree and drafter is not None and not drafter.drafts_trees:
+        raise ValueError("tree drafting needs a drafter that drafts trees (an EAGLE head)")
 
 
 @torch.inference_mode()
 def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, config: DecodeConfig,
            vocab_size: int, on_tokens: Callback | None = None) -> tuple[Tensor, Stats]:
-    """Generate after ``input_ids`` ([1, L]); returns the new tokens ([1, n]) and statistics.
+    """Generate after ``input_ids`` ([1, L]): a batch of one. Returns the new tokens ([1, n]) and statistics.
 
-    ``on_tokens`` sees each step's new tokens ([1, m]) and may return True to
-    stop (for stop strings). ``vocab_size`` is the shared vocabulary width:
-    logit columns past it (padding rows) are dropped.
+    ``on_tokens`` sees each step's new tokens ([1, m]) and may return True to stop (for stop
+    strings). ``vocab_size`` is the shared vocabulary width: logit columns past it are dropped.
     """
-    if input_ids.shape[0] != 1:
-        raise ValueError("decode runs one sequence at a time (batch size 1)")
-    if input_ids.shape[1] < 1:
-        raise ValueError("the prompt must hold at least one token")
-    if config.method != "ar" and drafter is None:
-        raise ValueError(f"method {config.method!r} needs a draft model")
-    if config.method == "ar":
-        drafter = None
-    trees = config.tree and drafter is not None
-    if trees and not getattr(drafter, "drafts_trees", False):
-        raise ValueError("tree drafting needs an EAGLE head as the drafter")
-    sampling = config.sampling
-    generator = torch.Generator(device=input_ids.device)
-    if config.seed is None:
-        generator.seed()  # a fresh random seed for this generator only; torch's global one is untouched
-    else:
-        generator.manual_seed(config.seed)
-    stats = Stats(method=config.method)
-    if drafter is not None:
-        drafter.reset()
-        draft_forwards_before = drafter.forwards
-    wants_features = getattr(drafter, "wants_target_features", False)
-    no_drafts = Proposal.empty(1, vocab_size, input_ids.device)
-    cache = DynamicCache()
-    sequence, prompt_len, gamma = input_ids, input_ids.shape[1], config.gamma
-    start = time.perf_counter()
+    engine = Engine(target, vocab_size)
+    row = engine.add(input_ids, config, None if config.method == "ar" else drafter, on_tokens)
+    while engine.rows:
+        engine.step()
+    return row.sequence[:, row.prompt_len:], row.stats
 
-    # A drafter that reads the target's features needs target passes even when every draft is accepted.
-    draft_only = config.draft_only and not wants_features
-    while (remaining := config.max_new_tokens - (sequence.shape[1] - prompt_len)) > 0:
-        new = drafter.propose(sequence, min(gamma, remaining), sampling, generator).tokens if draft_only else None
-        if new is not None and new.shape[1]:
-            stats.record_step(new.shape[1], new.shape[1], None)
-        else:
-            tree = drafter.propose_tree(sequence, sampling) if trees else None
-            if tree is not None:
-                step = _tree_step(target, cache, sequence, tree, config, vocab_size, generator, drafter,
-                                  wants_features)
-            else:
-                # At most remaining - 1 drafts: the step adds one target token after them.
-                num = min(gamma, remaining - 1) if drafter is not None else 0
-                proposal = drafter.propose(sequence, num, sampling, generator) if num else no_drafts
-                step = _chain_step(target, cache, sequence, proposal, config, vocab_size, generator, drafter,
-                                   wants_features)
-            stats.accept_s += step.accept_s
-            stats.target_forwards += 1
-            stats.record_step(step.proposed, step.accepted, step.d)
-            new = step.new
-            if config.gamma_schedule == "heuristic" and tree is None and step.proposed:
-                gamma = gamma + 2 if step.accepted == step.proposed else max(1, gamma - 1)
 
-        new = new[:, :remaining]
-        done = False
-        if config.eos_token_ids:
-            is_eos = torch.isin(new[0], torch.tensor(config.eos_token_ids, device=new.device))
-            if bool(is_eos.any()):
-                new = new[:, : int(is_eos.long().argmax()) + 1]
-                done = True
-        if sequence.shape[1] == prompt_len:
-            stats.first_token_s = time.perf_counter() - start
-        sequence = torch.cat([sequence, new], 1)
-        if on_tokens is not None and on_tokens(new):
-            done = True
-        if done:
-            break
-
-    stats.new_tokens = sequence.shape[1] - prompt_len
-    stats.draft_forwards = drafter.forwards - draft_forwards_before if drafter is not None else 0
-    stats.wall_s = time.perf_counter() - start
-    return sequence[:, prompt_len:], stats
+def decode_batch(target: torch.nn.Module, prompts: list[Tensor], configs: list[DecodeConfig],
+                 drafters: list[Drafter | None], vocab_size: int) -> list[tuple[list[int], Stats]]:
+    """Decode every prompt ([1, L] each) under its config and drafter, all in one batch."""
+    engine = Engine(target, vocab_size)
+    rows = engine.add_many(prompts, configs, drafters)
+    while engine.rows:
+        engine.step()
+    return [(row.tokens, row.stats) for row in rows]

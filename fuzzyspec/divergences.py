@@ -129,6 +129,67 @@ def _bucketed(p: Tensor, q: Tensor, top_k: int | None, top_p: float | None) -> t
     return torch.cat([p_kept, p_rest], -1), torch.cat([q_kept, q_rest], -1)
 
 
+def _log(a: Tensor) -> Tensor:
+    return a.clamp_min(EPS).log()
+
+
+def _point_kl_pq(p: Tensor, at: Tensor) -> Tensor:
+    # sum_{v != x} p_v log(p_v / EPS) + p_x log p_x, with the EPS floor that ``kl`` applies to q's zeros
+    return (torch.xlogy(p, p).sum(-1) - math.log(EPS) * (1 - at)).clamp_min(0)
+
+
+def _point_js(p: Tensor, at: Tensor) -> Tensor:
+    # H(m) - H(p) / 2 with m = (p + point) / 2: only the drafted token's term differs from p / 2
+    half = 0.5 * (1 + at)
+    return (0.5 * torch.xlogy(at, at) + 0.5 * math.log(2) * (1 - at) - torch.xlogy(half, half)).clamp(0, math.log(2))
+
+
+def _point_js_legacy(p: Tensor, at: Tensor) -> Tensor:
+    # 0.5 KL(m || p) + 0.5 KL(m || point), m = (p + point) / 2, split into the drafted token and the rest
+    half = 0.5 * (1 + at)
+    rest_entropy_terms = torch.xlogy(p, p).sum(-1) - torch.xlogy(at, at)  # sum_{v != x} p_v log p_v
+    to_p = -0.5 * math.log(2) * (1 - at) + half * (half.log() - _log(at))
+    to_point = 0.5 * rest_entropy_terms - 0.5 * (1 - at) * (math.log(2) + math.log(EPS)) + half * half.log()
+    return (0.5 * (to_p + to_point)).clamp_min(0)
+
+
+POINT: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "kl_pq": _point_kl_pq,
+    "kl_qp": lambda p, at: -_log(at),
+    "js": _point_js,
+    "js_legacy": _point_js_legacy,
+    "tv": lambda p, at: (1 - at).clamp(0, 1),
+    "hellinger": lambda p, at: (1 - at.sqrt()).clamp(0, 1).sqrt(),
+}
+
+
+def point_divergence(p: Tensor, tokens: Tensor, kind: str = "js", *, top_k: int = 50, top_p: float = 0.9) -> Tensor:
+    """D(p, q) where q is certain of ``tokens`` ([...]): what a deterministic drafter (prompt lookup, a
+    tree's top-k choice) proposes. Equals ``divergence(p, one_hot(tokens))`` without building the one-hot."""
+    name = canonical_name(kind)
+    p = p.float()
+    if name.startswith(("topk_", "topp_")):
+        # Bucketing keeps p's top tokens and pools the rest: the point mass lands on the drafted token's
+        # kept bucket, or on the pooled one.
+        if name.startswith("topk_"):
+            if top_k < 1:
+                raise ValueError(f"top_k must be >= 1, got {top_k}")
+            index = p.topk(min(top_k, p.shape[-1]), dim=-1).indices
+            keep = torch.ones_like(index, dtype=torch.bool)
+        else:
+            if not 0 < top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            p_sorted, index = p.sort(dim=-1, descending=True)
+            keep = (p_sorted.cumsum(-1) - p_sorted) < top_p
+        p_kept = p.gather(-1, index) * keep
+        p = torch.cat([p_kept, (1 - p_kept.sum(-1, keepdim=True)).clamp_min(0)], -1)
+        hit = (index == tokens.unsqueeze(-1)) & keep
+        tokens = torch.where(hit.any(-1), hit.long().argmax(-1), torch.full_like(tokens, p.shape[-1] - 1))
+        name = name[5:]
+    at = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return POINT[name](p, at)
+
+
 def divergence(p: Tensor, q: Tensor, kind: str = "js", *, top_k: int = 50, top_p: float = 0.9) -> Tensor:
     """D(p, q) per position: ``p``, ``q`` are ``[..., V]`` probabilities, the result is ``[...]`` float32.
 

@@ -1,13 +1,15 @@
 """Drafters: whatever proposes the next few tokens for the target to check.
 
-The decoding loop only ever calls ``propose`` and ``reset`` (and ``observe``,
-for drafters that read the target's features); a new drafter plugs in by
-implementing those.
+``Drafter`` states everything the decoding engine may call; a drafter plugs in by
+implementing it and registering a name in ``registry``. One drafter object serves
+one sequence at a time (it may keep caches between steps; ``reset`` clears them).
+Every proposal is a ``Draft``: a tree of tokens below the sequence's newest one,
+of which a chain is the case with one child per node.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -18,43 +20,139 @@ from .sampling import Sampling
 from .vocab import DraftVocab
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What a drafter may propose at one step.
+
+    ``tokens``: at most this many chain tokens (>= 1). ``tree``: (total nodes, depth, children per
+    node) for drafters that draft trees, or None for a chain. ``min_confidence``: stop a chain
+    before a token whose draft distribution's top probability is below it (the first token is
+    always proposed).
+    """
+
+    tokens: int
+    tree: tuple[int, int, int] | None = None
+    min_confidence: float = 0.0
+
+
 @dataclass
-class Proposal:
-    """``tokens`` [B, k] drafted (target ids); ``logits`` [B, k, N] raw draft logits; ``probs``
-    [B, k, N] the processed distributions the tokens were drawn from (q in the rules). With a
-    reduced draft vocabulary (``vocab``) the N columns are its tokens and q is zero elsewhere;
-    without one N is the target's vocabulary. ``full`` widens them when a rule needs q."""
+class Draft:
+    """Drafted tokens, as a tree hanging below the newest token of the sequence (the root).
+
+    ``tokens`` [n]: target ids. ``parents`` [n]: -1 for a child of the root, else an earlier node
+    (parents[i] < i). ``q`` [n + 1, N]: row 0 is the draft distribution the root's children came
+    from, row i + 1 node i's (zeros where a node was not expanded); None when every token was
+    chosen with certainty (a point mass on it: prompt lookup), which the rules use without
+    building it. ``logits`` [n + 1, N]: the raw logits behind q (None with q). ``vocab``: the
+    reduced draft vocabulary of q's N columns (None: N is the target's V). ``sampled``: children
+    were drawn from q (chains under sampling: SD's min(1, p/q) test applies); otherwise they were
+    picked deterministically (argmax, top-k, lookup), which the rules treat as point masses.
+    """
 
     tokens: Tensor
-    logits: Tensor
-    probs: Tensor
+    parents: Tensor
+    q: Tensor | None = None
+    logits: Tensor | None = None
     vocab: DraftVocab | None = None
+    sampled: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if self.parents.shape != (n,) or bool((self.parents >= torch.arange(n, device=self.parents.device)).any()):
+            raise ValueError("a draft tree needs one parent per node, each parent numbered before its child")
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
 
     @staticmethod
-    def empty(batch: int, vocab_size: int, device: torch.device) -> "Proposal":
-        no_dist = torch.empty(batch, 0, vocab_size, device=device)
-        return Proposal(torch.empty(batch, 0, dtype=torch.long, device=device), no_dist, no_dist)
+    def chain(tokens: Tensor, q: Tensor | None = None, logits: Tensor | None = None,
+              vocab: DraftVocab | None = None, sampled: bool = False) -> "Draft":
+        """A chain of k tokens; ``q``/``logits`` [k, N] are the distributions token i was drafted from."""
+        k = tokens.shape[0]
+        parents = torch.arange(-1, k - 1, device=tokens.device)
+        if q is not None:  # the last node was not expanded: a zero row
+            q = torch.cat([q, q.new_zeros(1, q.shape[-1])])
+            logits = torch.cat([logits, logits.new_zeros(1, logits.shape[-1])]) if logits is not None else None
+        return Draft(tokens, parents, q, logits, vocab, sampled)
 
-    def full(self) -> tuple[Tensor, Tensor]:
-        """(logits, probs) over the target's vocabulary: -inf and 0 outside a reduced draft vocabulary."""
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each node (1 for the root's children)."""
+        depths: list[int] = []
+        for parent in self.parents.tolist():
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def ancestors(self) -> Tensor:
+        """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool, device=self.parents.device)
+        for i, parent in enumerate(self.parents.tolist()):
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask
+
+    def widened(self, rows: Tensor | slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """(logits, q) of ``rows`` over the target's vocabulary: -inf and 0 outside a reduced vocabulary."""
+        logits, q = self.logits[rows], self.q[rows]
         if self.vocab is None:
-            return self.logits, self.probs
-        return self.vocab.expand(self.logits, float("-inf")), self.vocab.expand(self.probs)
+            return logits, q
+        return self.vocab.expand(logits, float("-inf")), self.vocab.expand(q)
 
 
+@runtime_checkable
 class Drafter(Protocol):
-    forwards: int  # draft forward passes so far, for statistics
+    """Everything the engine calls on a drafter.
 
-    def propose(self, sequence: Tensor, num: int, sampling: Sampling,
-                generator: torch.Generator | None) -> Proposal:
-        """Draft up to ``num`` tokens after ``sequence`` ([B, L], the prompt and every emitted token)."""
+    ``propose`` sees the whole sequence so far ([1, L]: prompt and every emitted token) and
+    returns a Draft within ``budget`` (or None: nothing to propose now, the step runs the target
+    alone). ``sampling`` is the row's: a drafter that samples draws from ``generator``.
+    A drafter that reads the target's hidden states sets ``wants_target_features`` and
+    ``feature_layers`` (indices into the target's ``hidden_states``, concatenated on the last
+    dimension); after every target pass it gets ``observe(start, features)``: the features
+    ([1, n, F]) of sequence positions start .. start + n - 1 that stay in the sequence.
+    ``forwards`` counts the drafter's model passes, for statistics.
+    """
+
+    forwards: int
+    wants_target_features: ClassVar[bool]
+    drafts_trees: ClassVar[bool]
+
+    def reset(self) -> None: ...
+
+    def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None) -> Draft | None: ...
+
+    def observe(self, start: int, features: Tensor) -> None: ...
+
+
+class BaseDrafter:
+    """Defaults for the optional parts of ``Drafter``."""
+
+    wants_target_features: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
+    feature_layers: list[int] = []
+
+    def __init__(self) -> None:
+        self.forwards = 0
 
     def reset(self) -> None:
-        """Forget all state (call between unrelated sequences)."""
+        pass
 
-    # Optional: a drafter with ``wants_target_features = True`` also gets
-    # ``observe(start, features)`` after each target pass: the target's last hidden
-    # states ([1, n, H], after its final norm) of positions start .. start + n - 1.
+    def observe(self, start: int, features: Tensor) -> None:
+        pass
 
 
 def common_prefix(a: Tensor, b: Tensor) -> int:
@@ -64,20 +162,15 @@ def common_prefix(a: Tensor, b: Tensor) -> int:
     return int(same.cumprod(0).sum())
 
 
-def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], num: int, sampling: Sampling,
-                generator: torch.Generator | None, min_confidence: float = 0.0,
-                vocab: DraftVocab | None = None) -> Proposal:
-    """Draft up to ``num`` tokens one after another: pick a token from ``logits`` ([B, N]), then
-    ``advance(token)`` ([B, 1], a target id) gives the next logits (not called after the last token).
-    ``vocab`` maps the columns of a reduced draft vocabulary to target ids.
-
-    With ``min_confidence > 0`` drafting stops before a token whose distribution's top
-    probability is below it; the first token is always kept, so a proposal is never empty.
-    """
+def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None, vocab: DraftVocab | None = None) -> Draft:
+    """Draft up to ``budget.tokens`` tokens one after another: pick a token from ``logits`` ([1, N]), then
+    ``advance(token)`` ([1, 1], a target id) gives the next logits (not called after the last token).
+    ``vocab`` maps the columns of a reduced draft vocabulary to target ids."""
     tokens, all_logits, all_probs = [], [], []
-    for i in range(num):
+    for i in range(budget.tokens):
         probs = sampling.probs(logits)
-        if tokens and min_confidence and probs.max() < min_confidence:
+        if tokens and budget.min_confidence and probs.max() < budget.min_confidence:
             break
         token = sampling.pick(logits, probs, generator).unsqueeze(1)
         if vocab is not None:
@@ -85,25 +178,25 @@ def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], num: int, s
         tokens.append(token)
         all_logits.append(logits)
         all_probs.append(probs)
-        if i + 1 < num:
+        if i + 1 < budget.tokens:
             logits = advance(token)
-    return Proposal(torch.cat(tokens, 1), torch.stack(all_logits, 1), torch.stack(all_probs, 1), vocab)
+    return Draft.chain(torch.cat(tokens, 1)[0], torch.cat(all_probs), torch.cat(all_logits), vocab,
+                       sampled=not sampling.greedy)
 
 
-class ModelDrafter:
+class ModelDrafter(BaseDrafter):
     """A small causal LM sharing the target's vocabulary, drafting autoregressively.
 
     Its KV cache survives between steps: at each ``propose`` it is cropped back to
     the longest prefix it shares with the accepted sequence and only the new tokens
-    are fed, so the prompt is never recomputed. ``min_confidence``: see ``draft_chain``.
+    are fed, so the prompt is never recomputed.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, min_confidence: float = 0.0) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int) -> None:
+        super().__init__()
         self.model = model
         self.vocab_size = vocab_size
         self.vocab: DraftVocab | None = getattr(model, "draft_vocab", None)  # a reduced LM head's id map
-        self.min_confidence = min_confidence
-        self.forwards = 0
         self.reset()
 
     def reset(self) -> None:
@@ -111,10 +204,8 @@ class ModelDrafter:
         self.cached: Tensor | None = None  # the tokens whose keys and values are in the cache
 
     @torch.inference_mode()
-    def propose(self, sequence: Tensor, num: int, sampling: Sampling,
-                generator: torch.Generator | None) -> Proposal:
-        if num < 1:
-            return Proposal.empty(sequence.shape[0], self.vocab_size, sequence.device)
+    def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None) -> Draft:
         kept = 0 if self.cached is None else common_prefix(self.cached, sequence)
         kept = min(kept, sequence.shape[1] - 1)  # always feed at least one token
         crop_to(self.cache, kept)
@@ -130,7 +221,6 @@ class ModelDrafter:
             fed.append(token)
             return forward(token)
 
-        proposal = draft_chain(forward(sequence[:, kept:]), advance, num, sampling, generator, self.min_confidence,
-                               self.vocab)
+        draft = draft_chain(forward(sequence[:, kept:]), advance, budget, sampling, generator, self.vocab)
         self.cached = torch.cat([sequence, *fed], 1)
-        return proposal
+        return draft

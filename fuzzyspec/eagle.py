@@ -15,6 +15,8 @@ Checkpoints use the layout of the official releases (yuhuili/EAGLE-*): a folder
 with ``config.json`` (the target family's config with one layer, plus ``bias``
 for ``fc``) and weights ``fc.*`` and ``layers.0.*`` in ``model.safetensors``
 (``pytorch_model.bin`` is read too; an ``embed_tokens.weight`` is ignored).
+A reduced draft vocabulary (``d2t``/``t2d`` beside the weights, as EAGLE-3 stores
+them) makes the drafter read only those rows of the target's LM head.
 """
 from __future__ import annotations
 
@@ -30,12 +32,11 @@ from transformers import AutoConfig, DynamicCache, PretrainedConfig, PreTrainedM
 from transformers.masking_utils import create_causal_mask
 
 from .draftlm import cut_layers
-from .drafters import Proposal, common_prefix, draft_chain
+from .drafters import BaseDrafter, Budget, Draft, common_prefix, draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
-from .kvcache import crop_to
+from .kvcache import crop_to, model_mask
 from .sampling import Sampling
-from .trees import Tree, TreeProposal, model_mask
-from .vocab import DraftVocab
+from .vocab import DraftVocab, reduced_lm_head
 
 _MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
 
@@ -59,6 +60,7 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer_class(config, layer_idx=0)])
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = rotary_class(config=config)
+        self.vocab: DraftVocab | None = None  # a reduced draft vocabulary: the target's LM head rows it reads
 
     @classmethod
     def for_target(cls, target: PreTrainedModel, config: PretrainedConfig | None = None) -> "EagleHead":
@@ -93,6 +95,8 @@ class EagleHead(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         self.config.to_json_file(folder / "config.json")
         weights = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb")}
+        if self.vocab is not None:
+            weights.update(self.vocab.maps())
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -115,7 +119,9 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> EagleHead:
     else:
         raise ValueError(f"no EAGLE head weights in {folder} (model.safetensors or pytorch_model.bin)")
     weights.pop("embed_tokens.weight", None)  # some releases store the target's embedding: ours is used
+    vocab = DraftVocab.from_maps(weights.pop("d2t"), weights.pop("t2d", None)) if "d2t" in weights else None
     head = EagleHead.for_target(target, config)
+    head.vocab = vocab
     missing, unexpected = head.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb")]
     if missing or unexpected:
@@ -131,19 +137,29 @@ def load_any_head(folder: str | Path, target: PreTrainedModel) -> EagleHead | Ea
     return load_eagle3(folder, target) if is_eagle3(folder) else load_head(folder, target)
 
 
-class EagleDrafter:
-    """Drafts a chain with an EAGLE head (EAGLE-1/2, or EAGLE-3), fed the target's true features.
+class EagleDrafter(BaseDrafter):
+    """Drafts chains, or EAGLE-2 trees, with an EAGLE head (EAGLE-1/2 or EAGLE-3), fed the target's features.
 
-    The loop hands it the target's hidden states at ``feature_layers`` (indices into the
+    The engine hands it the target's hidden states at ``feature_layers`` (indices into the
     target's ``hidden_states``, concatenated; ``observe``) after each verification. Head
     positions computed from true features stay in its KV cache; those computed from its
     own predictions are recomputed next time.
+
+    Trees (a budget with a tree shape: total nodes, depth, top_k) follow EAGLE-2's
+    context-aware dynamic tree (Li et al. 2024): from the root, the ``top_k`` most likely
+    tokens under the head become children; then for ``depth - 1`` more levels the ``top_k``
+    frontier nodes of highest confidence (the product of draft probabilities along the path)
+    are expanded, each into its own ``top_k`` children, in one head pass per level with tree
+    attention. Finally all drafted nodes are reranked by confidence and the best ``total``
+    kept (a child is never more confident than its parent, so the kept set holds its
+    ancestors). EAGLE-2's published setting is total 60, depth 6, top_k 10.
     """
 
     wants_target_features = True
+    drafts_trees = True
 
-    def __init__(self, head: EagleHead | Eagle3Head, target: PreTrainedModel, vocab_size: int,
-                 min_confidence: float = 0.0) -> None:
+    def __init__(self, head: EagleHead | Eagle3Head, target: PreTrainedModel, vocab_size: int) -> None:
+        super().__init__()
         self.head = head
         self.embed = target.get_input_embeddings()
         self.vocab_size = vocab_size
@@ -152,11 +168,15 @@ class EagleDrafter:
             self.feature_layers = head.feature_layers
             self._head_logits = head.logits
         else:  # EAGLE-1/2: the head predicts the target's last (normed) features; the target's LM head reads them
-            lm_head = target.get_output_embeddings()
-            self.vocab, self.feature_layers = None, [-1]
-            self._head_logits = lambda out: lm_head(out).float()[..., :vocab_size]
-        self.min_confidence = min_confidence
-        self.forwards = 0
+            self.vocab, self.feature_layers = head.vocab, [-1]
+            if head.vocab is None:
+                lm_head = target.get_output_embeddings()
+                self._head_logits = lambda out: lm_head(out).float()[..., :vocab_size]
+            else:  # only the rows of the draft vocabulary: a draft step reads N rows, not V
+                if getattr(head, "reduced_lm_head", None) is None:  # made once per head, not per call
+                    head.reduced_lm_head = reduced_lm_head(target.get_output_embeddings(), head.vocab)
+                reduced = head.reduced_lm_head
+                self._head_logits = lambda out: reduced(out).float()
         self.reset()
 
     def reset(self) -> None:
@@ -166,17 +186,19 @@ class EagleDrafter:
         self.true_positions = 0  # head cache positions computed from true features and tokens
 
     def observe(self, start: int, features: Tensor) -> None:
-        """True target features ([1, n, H]) of positions start .. start + n - 1."""
+        """True target features ([1, n, F]) of positions start .. start + n - 1."""
         known = self.features[:, :start] if self.features is not None else features[:, :0]
         self.features = torch.cat([known, features], 1)
         self.true_positions = min(self.true_positions, start)
 
     @torch.inference_mode()
-    def propose(self, sequence: Tensor, num: int, sampling: Sampling,
-                generator: torch.Generator | None) -> Proposal:
-        if num < 1 or self.features is None:
-            return Proposal.empty(sequence.shape[0], self.vocab_size, sequence.device)
+    def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None) -> Draft | None:
+        if self.features is None:  # nothing to draft from before the target's first pass
+            return None
         hidden = self._root(sequence)
+        if budget.tree is not None:
+            return self._tree(sequence, hidden, budget.tree, sampling)
 
         def advance(token: Tensor) -> Tensor:
             nonlocal hidden
@@ -184,7 +206,7 @@ class EagleDrafter:
             self.forwards += 1
             return self._logits(hidden)
 
-        return draft_chain(self._logits(hidden), advance, num, sampling, generator, self.min_confidence, self.vocab)
+        return draft_chain(self._logits(hidden), advance, budget, sampling, generator, self.vocab)
 
     def _root(self, sequence: Tensor) -> Tensor:
         """Bring the head's cache up to date with the true features; return the predicted feature
@@ -204,33 +226,9 @@ class EagleDrafter:
     def _logits(self, hidden: Tensor) -> Tensor:
         return self._head_logits(hidden[:, -1])
 
-
-class EagleTreeDrafter(EagleDrafter):
-    """EAGLE-2's context-aware dynamic draft tree (Li et al. 2024).
-
-    From the root, the ``top_k`` most likely tokens under the head become children.
-    Then for ``depth - 1`` more levels the ``top_k`` frontier nodes of highest
-    confidence (the product of draft probabilities along the path) are expanded,
-    each into its own ``top_k`` children, in one head pass per level with tree
-    attention. Finally all drafted nodes are reranked by confidence and the best
-    ``total_tokens`` kept (a child is never more confident than its parent, so
-    the kept set holds its ancestors). EAGLE-2's published setting is
-    total_tokens 60, depth 6, top_k 10.
-    """
-
-    drafts_trees = True
-
-    def __init__(self, head: EagleHead | Eagle3Head, target: PreTrainedModel, vocab_size: int,
-                 total_tokens: int = 16, depth: int = 5, top_k: int = 4) -> None:
-        super().__init__(head, target, vocab_size)
-        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
-
-    @torch.inference_mode()
-    def propose_tree(self, sequence: Tensor, sampling: Sampling) -> TreeProposal | None:
-        """A draft tree after ``sequence``, or None before the target has produced features."""
-        if self.features is None:
-            return None
-        root_hidden = self._root(sequence)
+    def _tree(self, sequence: Tensor, root_hidden: Tensor, shape: tuple[int, int, int], sampling: Sampling) -> Draft:
+        """An EAGLE-2 dynamic tree below the newest token (see the class docstring)."""
+        total, max_depth, top_k = shape
         base = self.cache.get_seq_length()  # head positions from true features; tree nodes go after them
         root_logits = self._logits(root_hidden)[0]
         root_q = sampling.probs(root_logits)
@@ -241,7 +239,7 @@ class EagleTreeDrafter(EagleDrafter):
         node_q: dict[int, tuple[Tensor, Tensor]] = {}  # expanded node -> (its logits, its q)
 
         def add_children(parent: int, probs: Tensor, depth: int) -> list[int]:
-            values, ids = probs.topk(min(self.top_k, probs.shape[-1]))
+            values, ids = probs.topk(min(top_k, probs.shape[-1]))
             if self.vocab is not None:
                 ids = self.vocab.to_target(ids)
             added = []
@@ -258,8 +256,8 @@ class EagleTreeDrafter(EagleDrafter):
         frontier = add_children(-1, root_q, 1)
         hidden_of = {-1: root_hidden[0, -1]}
         in_cache: list[int] = []  # expanded nodes, in head cache order after ``base``
-        for level in range(2, self.depth + 1):
-            expand = sorted(frontier, key=lambda node: -scores[node])[: self.top_k]
+        for level in range(2, max_depth + 1):
+            expand = sorted(frontier, key=lambda node: -scores[node])[:top_k]
             if not expand:
                 break
             mask = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool,
@@ -287,7 +285,7 @@ class EagleTreeDrafter(EagleDrafter):
                 frontier += add_children(node, probs[row], level)
         crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
 
-        kept = sorted(range(len(tokens)), key=lambda node: -scores[node])[: self.total_tokens]
+        kept = sorted(range(len(tokens)), key=lambda node: -scores[node])[:total]
         kept_set = set(kept)
         for node in list(kept):  # ties aside a child never outranks its parent; make sure anyway
             while parents[node] >= 0 and parents[node] not in kept_set:
@@ -295,13 +293,13 @@ class EagleTreeDrafter(EagleDrafter):
                 kept_set.add(node)
         order = sorted(kept_set, key=lambda node: (depths[node], -scores[node]))
         new_index = {node: i for i, node in enumerate(order)}
-        tree = Tree(tokens=torch.tensor([tokens[node] for node in order], device=sequence.device),
-                    parents=torch.tensor([new_index.get(parents[node], -1) for node in order],
-                                         device=sequence.device))
+        device = sequence.device
         q = torch.zeros(len(order) + 1, root_q.shape[-1], device=root_q.device)
         logits = torch.zeros_like(q)
         q[0], logits[0] = root_q, root_logits
         for node in order:
             if node in node_q:
                 logits[new_index[node] + 1], q[new_index[node] + 1] = node_q[node]
-        return TreeProposal(tree, q, logits, self.vocab)
+        return Draft(torch.tensor([tokens[node] for node in order], device=device),
+                     torch.tensor([new_index.get(parents[node], -1) for node in order], device=device),
+                     q, logits, self.vocab, sampled=False)

@@ -10,14 +10,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .draftlm import cut_layers, is_shared_draft, load_draft_lm
-from .eagle import EagleHead, load_any_head
-from .eagle3 import Eagle3Head
+from .draftlm import cut_layers
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SELF_DRAFT_PREFIX = "self:"
-EAGLE_PREFIX = "eagle:"
 SHIPPED = Path(__file__).parent / "weights" / EMBEDDED
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -159,43 +155,6 @@ def shipped(kind: str) -> Path:
     return SHIPPED / kind
 
 
-def load_draft(name: str | None, target: PreTrainedModel, target_tokenizer: PreTrainedTokenizerBase,
-               target_name: str | None = None, dtype: str = "auto", device: str = "cpu"
-               ) -> PreTrainedModel | EagleHead | Eagle3Head:
-    """Load a drafter by name.
-
-    ``None``: the draft LM shipped for the embedded target (only when it is the target);
-    ``eagle``: the EAGLE head shipped for it; ``eagle:DIR``: any EAGLE head (ours or an official
-    EAGLE-1/2 release); ``self:N``: the target's first N layers; otherwise a draft model (HF id,
-    folder, ``.gguf`` file, or a folder saved by ``fuzzyspec train draft``), whose vocabulary
-    must be the target's.
-    """
-    embedded = target_name in (None, EMBEDDED)
-    if name is None or name == "eagle":
-        if not embedded:
-            raise LoadError("the shipped drafters are for the embedded target only: pass --draft for this target")
-        folder = shipped("eagle" if name == "eagle" else "draft")
-        if not (folder / "config.json").is_file():
-            raise LoadError(f"the shipped drafter is missing from {folder}: reinstall fuzzyspec")
-        return load_any_head(folder, target) if name == "eagle" else load_draft_lm(folder, target)
-    if name.startswith(EAGLE_PREFIX):
-        folder = Path(name[len(EAGLE_PREFIX):]).expanduser()
-        if not folder.is_dir():
-            raise LoadError(f"EAGLE head folder not found: {folder}")
-        return load_any_head(folder, target)
-    if name.startswith(SELF_DRAFT_PREFIX):
-        count = name[len(SELF_DRAFT_PREFIX):]
-        if not count.isdigit():
-            raise LoadError(f"a self draft is written self:N with N a number of layers, got {name!r}")
-        return self_draft(target, int(count))
-    if is_shared_draft(name):
-        return load_draft_lm(name, target)
-    draft, draft_tokenizer = load_model(name, dtype, device)
-    check_vocabularies(target_tokenizer, draft_tokenizer)
-    shared_vocab_size(target, draft, target_tokenizer)
-    return draft
-
-
 def check_vocabularies(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
     """Raise LoadError unless both tokenizers map the same strings to the same ids."""
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
@@ -211,10 +170,10 @@ def logit_width(model: PreTrainedModel) -> int:
     return vocab.target_size if vocab is not None else model.get_output_embeddings().weight.shape[0]
 
 
-def shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel | None,
+def shared_vocab_size(target: PreTrainedModel, draft_widths: list[int],
                       tokenizer: PreTrainedTokenizerBase) -> int:
-    """Columns of logits that both models share; widths may differ by unused padding rows only."""
-    widths = [logit_width(target)] + ([logit_width(draft)] if draft is not None else [])
+    """Columns of logits that the target and its drafter share; widths may differ by unused padding rows only."""
+    widths = [logit_width(target), *draft_widths]
     width = min(widths)
     if width < len(tokenizer):
         raise LoadError(f"the models' vocabularies ({' vs '.join(map(str, widths))} logits) do not cover "

@@ -3,7 +3,9 @@
 Shapes, for a batch of ``B`` rows with ``k`` drafted tokens each (``k`` may be 0):
 
 - ``tokens``: ``[B, k]`` drafted tokens x_1..x_k;
-- ``q``: ``[B, k, V]`` the draft's distributions that x_i was drawn from;
+- ``q``: ``[B, k, V]`` the draft's distributions that x_i was drawn from, or None when the
+  drafter chose each x_i deterministically (prompt lookup): q_i is then certain of x_i, and the
+  rules use that point mass without building it;
 - ``p``: ``[B, k + 1, V]`` the target's distributions at the same positions, plus
   one more after x_k (for the bonus token);
 - ``d``: ``[B, k]`` divergences D(p_i, q_i) (only the fuzzy rules read it).
@@ -41,24 +43,32 @@ def _at(dist: Tensor, position: Tensor) -> Tensor:
     return dist.gather(1, index).squeeze(1)
 
 
-def _residual(p: Tensor, q: Tensor, position: Tensor) -> Tensor:
+def _residual(tokens: Tensor, p: Tensor, q: Tensor | None, position: Tensor) -> Tensor:
     """max(0, p_n - q_n) at each row's position n, with q_{k+1} taken as 0 (so the bonus is p_{k+1}).
 
     Unnormalised (sampling normalises). If it is all zero, which exact
     arithmetic rules out whenever SD rejected, p_n is returned instead.
+    A point mass q_n leaves p_n with the drafted token x_n removed.
     """
-    q_padded = torch.cat([q, q.new_zeros(q.shape[0], 1, q.shape[-1])], 1)
     p_n = _at(p, position)
-    residual = (p_n - _at(q_padded, position)).clamp_min(0)
+    if q is None:
+        k = tokens.shape[1]
+        rejected = position < k
+        drafted = tokens.gather(1, position.clamp_max(max(k - 1, 0)).view(-1, 1)) if k else position.view(-1, 1)
+        residual = p_n.scatter(1, drafted, 0.0) if k else p_n
+        residual = torch.where(rejected.view(-1, 1), residual, p_n)
+    else:
+        q_padded = torch.cat([q, q.new_zeros(q.shape[0], 1, q.shape[-1])], 1)
+        residual = (p_n - _at(q_padded, position)).clamp_min(0)
     empty = residual.sum(-1, keepdim=True) <= 0
     return torch.where(empty, p_n, residual)
 
 
-def _sd_test(tokens: Tensor, p: Tensor, q: Tensor, generator: torch.Generator | None) -> Tensor:
+def _sd_test(tokens: Tensor, p: Tensor, q: Tensor | None, generator: torch.Generator | None) -> Tensor:
     """Bernoulli(min(1, p_i(x_i) / q_i(x_i))) for every draft, as u * q_i(x_i) <= p_i(x_i)."""
     k = tokens.shape[1]
     p_x = p[:, :k].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    q_x = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    q_x = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(p_x)
     u = torch.rand(tokens.shape, generator=generator, device=tokens.device) if k else p_x
     return u * q_x <= p_x
 
@@ -67,7 +77,7 @@ def _greedy_match(tokens: Tensor, p: Tensor) -> Tensor:
     return tokens == p[:, : tokens.shape[1]].argmax(-1)
 
 
-def sd(tokens: Tensor, p: Tensor, q: Tensor, d: Tensor | None, threshold: float,
+def sd(tokens: Tensor, p: Tensor, q: Tensor | None, d: Tensor | None, threshold: float,
        greedy: bool, generator: torch.Generator | None = None) -> Verdict:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023); lossless.
 
@@ -81,10 +91,10 @@ def sd(tokens: Tensor, p: Tensor, q: Tensor, d: Tensor | None, threshold: float,
         accepted = leading_accepted(_greedy_match(tokens, p))
         return accepted, _at(p, accepted).argmax(-1)
     accepted = leading_accepted(_sd_test(tokens, p, q, generator))
-    return accepted, sample(_residual(p, q, accepted), generator)
+    return accepted, sample(_residual(tokens, p, q, accepted), generator)
 
 
-def fsd(tokens: Tensor, p: Tensor, q: Tensor, d: Tensor, threshold: float,
+def fsd(tokens: Tensor, p: Tensor, q: Tensor | None, d: Tensor, threshold: float,
         greedy: bool, generator: torch.Generator | None = None) -> Verdict:
     """Fuzzy speculative decoding (Holsman, Huang & Dhingra 2025), the paper's rule.
 
@@ -98,7 +108,7 @@ def fsd(tokens: Tensor, p: Tensor, q: Tensor, d: Tensor, threshold: float,
     return accepted, p_n.argmax(-1) if greedy else sample(p_n, generator)
 
 
-def fsd_hybrid(tokens: Tensor, p: Tensor, q: Tensor, d: Tensor, threshold: float,
+def fsd_hybrid(tokens: Tensor, p: Tensor, q: Tensor | None, d: Tensor, threshold: float,
                greedy: bool, generator: torch.Generator | None = None) -> Verdict:
     """SD's test, relaxed: accept x_i if SD accepts it OR D(p_i, q_i) <= T.
 
@@ -110,10 +120,10 @@ def fsd_hybrid(tokens: Tensor, p: Tensor, q: Tensor, d: Tensor, threshold: float
         accepted = leading_accepted(_greedy_match(tokens, p) | (d <= threshold))
         return accepted, _at(p, accepted).argmax(-1)
     accepted = leading_accepted(_sd_test(tokens, p, q, generator) | (d <= threshold))
-    return accepted, sample(_residual(p, q, accepted), generator)
+    return accepted, sample(_residual(tokens, p, q, accepted), generator)
 
 
-Rule = Callable[[Tensor, Tensor, Tensor, Tensor | None, float, bool, torch.Generator | None], Verdict]
+Rule = Callable[[Tensor, Tensor, Tensor | None, Tensor | None, float, bool, torch.Generator | None], Verdict]
 
 RULES: dict[str, Rule] = {"sd": sd, "fsd": fsd, "fsd-hybrid": fsd_hybrid}
 

@@ -4,7 +4,7 @@ A drafter's job is to predict this target, not whoever wrote a dataset's
 answers; trained on the target's own text it sees exactly what it will have to
 draft. Each prompt is answered once per temperature (0 = greedy; sampled ones
 show the drafter the target's other likely continuations), with the project's
-batched decoding (``batching.BatchDecoder``, AR rows, continuous batching).
+batched decoding (``decoding.Engine``, AR rows, continuous batching).
 
 Prompts are split into shards; each finished shard is written at once as
 ``answers-t<temperature>-<shard>.npz`` (a ``TokenDataset`` of prompt + answer,
@@ -26,9 +26,8 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from .batching import BatchDecoder, Row
 from .data import TokenDataset
-from .decoding import DecodeConfig
+from .decoding import DecodeConfig, Engine, Row
 from .sampling import Sampling
 
 
@@ -146,7 +145,7 @@ def _answer(target: PreTrainedModel, prompts: list[list[int]], configs: list[Dec
             bar: tqdm) -> list[list[int]]:
     """Decode ``prompts`` with up to ``batch_size`` rows at a time; new rows join as old ones finish."""
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    decoder = BatchDecoder(target, None, vocab_size)
+    decoder = Engine(target, vocab_size)
     device = decoder.device
     rows: list[Row | None] = [None] * len(prompts)
     next_prompt = 0

@@ -28,9 +28,8 @@ from .api import ModelPair, eos_ids, make_config
 from .calibrate import cached_calibration
 from .decoding import METHODS
 from .divergences import canonical_name
-from .eagle import HEADS
-from .engine import Engine, QueueFull, Unavailable
-from .engine import Request as EngineRequest
+from .scheduler import QueueFull, Scheduler, Unavailable
+from .scheduler import Request as EngineRequest
 from .rules import FUZZY
 
 
@@ -43,6 +42,10 @@ class ServeConfig:
     divergence: str = "js"
     threshold: float = 0.3
     gamma: int = 5
+    tree: bool = False              # EAGLE-2 draft trees (an EAGLE head as the drafter)
+    tree_total_tokens: int = 16
+    tree_depth: int = 5
+    tree_top_k: int = 4
     temperature: float = 1.0        # OpenAI's default when a request gives none
     max_tokens: int = 256           # when a request gives none
     max_batch: int = 16
@@ -81,6 +84,7 @@ class _Options(BaseModel):
     fsd_divergence: str | None = None
     target_acceptance: float | None = None
     gamma: int | None = None
+    tree: bool | None = None
 
 
 class CompletionBody(_Options):
@@ -113,12 +117,9 @@ class Server:
     """The models, the engine and the request handling behind the routes."""
 
     def __init__(self, pair: ModelPair, config: ServeConfig) -> None:
-        if isinstance(pair.draft, HEADS):
-            raise ValueError("the server batches chains from a draft LM; EAGLE heads are not supported there "
-                             "(use --draft default or a draft model)")
         self.pair, self.config = pair, config
-        self.engine = Engine(pair.target, pair.draft, pair.tokenizer, pair.vocab_size, config.max_batch,
-                             config.max_queue)
+        self.engine = Scheduler(pair.target, pair.drafter, pair.tokenizer, pair.vocab_size, config.max_batch,
+                                config.max_queue)
         self.context = getattr(pair.target.config, "max_position_embeddings", None) or math.inf
         self.eos = eos_ids(pair.target, pair.tokenizer)
         self.created = int(time.time())
@@ -154,16 +155,17 @@ class Server:
         options = dict(method=method, divergence=divergence, gamma=c.gamma if body.gamma is None else body.gamma,
                        threshold=c.threshold if body.fsd_threshold is None else body.fsd_threshold,
                        temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                       top_k=body.top_k or 0, seed=body.seed, max_new_tokens=max_tokens, eos_token_ids=self.eos)
+                       top_k=body.top_k or 0, seed=body.seed, max_new_tokens=max_tokens, eos_token_ids=self.eos,
+                       tree=c.tree if body.tree is None else body.tree, tree_total_tokens=c.tree_total_tokens,
+                       tree_depth=c.tree_depth, tree_top_k=c.tree_top_k)
         if body.seed is not None and not 0 <= body.seed < 2**63:
             raise APIError(400, f"seed must be in [0, 2**63), got {body.seed}", "invalid_value", "seed")
         try:
             config = make_config(**options)
         except ValueError as error:
             raise APIError(400, str(error), "invalid_value") from None
-        if config.draft_only:
-            raise APIError(400, "fsd with an infinite threshold is the draft model alone; give a finite "
-                                "fsd_threshold", "invalid_value", "fsd_threshold")
+        if config.tree and (self.pair.draft is None or not self.pair.draft.drafts_trees):
+            raise APIError(400, "tree drafting needs an EAGLE head as the server's drafter", "invalid_value", "tree")
         return config
 
     async def _threshold(self, body: _Options, config: Any) -> Any:
@@ -348,8 +350,9 @@ class _Reply:
 
     def _decoding(self, request: EngineRequest) -> dict:
         stats = request.stats
+        threshold = self.config.threshold  # JSON has no infinity: an infinite T is reported as "inf"
         return {"method": self.config.method, "divergence": self.config.divergence,
-                "threshold": self.config.threshold, "gamma": self.config.gamma,
+                "threshold": threshold if math.isfinite(threshold) else "inf", "gamma": self.config.gamma,
                 "acceptance_rate": stats.acceptance_rate if stats else None,
                 "mean_accepted": stats.mean_accepted if stats else None,
                 "target_forwards": stats.target_forwards if stats else 0}

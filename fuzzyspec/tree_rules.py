@@ -1,10 +1,10 @@
 """Acceptance rules on draft trees: walk down from the root, one node at a time.
 
-Rows of ``p`` and ``q`` ([n + 1, V]): row 0 is the root (the newest accepted
-token), row i + 1 is tree node i. ``p[r]`` is the target's distribution of the
-token after row r; ``q[r]`` is the draft's distribution that row r's children
-were drafted from (EAGLE-2 drafts children as the top-k tokens of q[r], so
-they are distinct and chosen deterministically). ``d[r]`` = D(p[r], q[r]).
+Rows of ``p`` ([n + 1, V]): row 0 is the root (the newest accepted token), row
+i + 1 is tree node i; ``p[r]`` is the target's distribution of the token after
+row r. The draft's children of row r were chosen deterministically (EAGLE-2
+takes the top-k tokens of the draft's q[r], so they are distinct), and
+``d[r]`` = D(p[r], q[r]).
 
 At a row u with drafted children c_1..c_m (in drafting order):
 
@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .drafters import Draft
 from .sampling import sample
-from .trees import Tree
 
 
-def children_of(tree: Tree) -> list[list[int]]:
+def children_of(tree: Draft) -> list[list[int]]:
     """Row r's children as node indices, in drafting order (row 0 is the root)."""
     children: list[list[int]] = [[] for _ in range(len(tree) + 1)]
     for node, parent in enumerate(tree.parents.tolist()):
@@ -44,7 +44,7 @@ def children_of(tree: Tree) -> list[list[int]]:
     return children
 
 
-def walk(rule: str, tree: Tree, p: Tensor, q: Tensor, d: Tensor | None, threshold: float, greedy: bool,
+def walk(rule: str, tree: Draft, p: Tensor, d: Tensor | None, threshold: float, greedy: bool,
          generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """Apply ``rule`` (``sd``, ``fsd`` or ``fsd-hybrid``) down ``tree``; see the module docstring."""
     if rule not in ("sd", "fsd", "fsd-hybrid"):

@@ -21,7 +21,7 @@ def run(target, draft, prompt, **options):
     sampling = Sampling(**{k: options.pop(k) for k in ("temperature", "top_k", "top_p") if k in options})
     config = DecodeConfig(sampling=sampling, **options)
     vocab = target.config.vocab_size
-    drafter = ModelDrafter(draft, vocab, config.draft_confidence) if draft is not None else None
+    drafter = ModelDrafter(draft, vocab) if draft is not None else None
     tokens, stats = decode(target, drafter, torch.as_tensor(prompt).view(1, -1), config, vocab)
     return tokens[0].tolist(), stats
 

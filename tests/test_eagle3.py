@@ -8,7 +8,7 @@ from conftest import noisy_copy, tiny_llama
 from fuzzyspec.decoding import DecodeConfig, decode
 from fuzzyspec.draftlm import make_draft_lm
 from fuzzyspec.drafters import ModelDrafter
-from fuzzyspec.eagle import EagleDrafter, EagleTreeDrafter, load_any_head
+from fuzzyspec.eagle import EagleDrafter, load_any_head
 from fuzzyspec.eagle3 import default_feature_layers, is_eagle3, load_eagle3, make_eagle3
 from fuzzyspec.sampling import Sampling
 from fuzzyspec.vocab import DraftVocab
@@ -86,7 +86,7 @@ def test_foreign_heads_are_refused(tmp_path, target_model):
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_sd_with_a_reduced_vocabulary_head_is_the_targets_output(target_model, tree):
     head = random_head(target_model)
-    drafter = EagleTreeDrafter(head, target_model, V) if tree else EagleDrafter(head, target_model, V)
+    drafter = EagleDrafter(head, target_model, V)
     prompt = torch.tensor([[1, 4, 7, 10, 14, 17]])
     config = DecodeConfig(method="sd", max_new_tokens=20, tree=tree)
     tokens, stats = decode(target_model, drafter, prompt, config, V)

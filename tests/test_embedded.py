@@ -68,8 +68,7 @@ def test_cli_with_the_shipped_eagle_head(capsys, tree):
 
 
 def test_greedy_eagle2_trees_equal_hf_generate(pair32):
-    from fuzzyspec.loading import load_draft
-    pair = ModelPair(pair32.target, pair32.tokenizer, load_draft("eagle", pair32.target, pair32.tokenizer))
+    pair = pair32.with_drafter("eagle")
     ids = pair.encode("Name three colours.")
     expected = pair.target.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
     result = pair.generate(ids, method="sd", tree=True, max_new_tokens=24)

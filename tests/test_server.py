@@ -229,10 +229,18 @@ def test_a_full_queue_answers_429_and_slow_requests_504(tiny_dirs):
         running.stop()
 
 
-def test_an_infinite_threshold_is_refused(server):
-    reply = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "x", '
-                       b'"fsd_threshold": Infinity}', headers={"content-type": "application/json"})
-    assert reply.status_code == 400 and "infinite threshold" in reply.json()["error"]["message"]
+@pytest.mark.parametrize("method", ["fsd", "ar", "sd", "fsd-hybrid"])
+def test_an_infinite_threshold_is_served_and_reported(server, method):
+    """fsd at T = inf runs the drafter alone; every method answers 200 with the threshold as "inf" (JSON has
+    no infinity)."""
+    reply = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "x", "max_tokens": 5, '
+                       b'"method": "' + method.encode() + b'", "fsd_threshold": Infinity}',
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["fuzzyspec"]["threshold"] == "inf" and body["usage"]["completion_tokens"] >= 1
+    if method == "fsd":
+        assert body["fuzzyspec"]["target_forwards"] == 0
 
 
 def test_a_client_leaving_a_plain_request_frees_its_row(tiny_dirs):

@@ -5,7 +5,7 @@ import torch
 
 from fuzzyspec.divergences import divergence
 from fuzzyspec.tree_rules import walk
-from fuzzyspec.trees import Tree
+from fuzzyspec.drafters import Draft as Tree
 from stats_util import chi_square_p_value
 
 V = 6
@@ -26,7 +26,7 @@ def test_exact_tree_sampling_is_lossless():
     g = torch.Generator().manual_seed(1)
     first, second = torch.zeros(V), torch.zeros(V)
     for _ in range(20_000):
-        path, token = walk("sd", TREE, p, q, None, 0.0, False, g)
+        path, token = walk("sd", TREE, p, None, 0.0, False, g)
         out = [int(TREE.tokens[i]) for i in path] + [token]
         first[out[0]] += 1
         if out[0] == 2:
@@ -40,26 +40,26 @@ def test_greedy_walk_follows_the_targets_argmax():
     p[0, 2] = p[1, 3] = p[5, 5] = 1.0  # root wants 2 (node 0), node 0 wants 3 (node 4), node 4 wants 5
     p = p / p.sum(-1, keepdim=True)
     q = torch.ones(6, V) / V
-    assert walk("sd", TREE, p, q, None, 0.0, True) == ([0, 4], 5)
+    assert walk("sd", TREE, p, None, 0.0, True) == ([0, 4], 5)
     p[0] = torch.tensor([0.1, 0.1, 0.1, 0.5, 0.1, 0.1])  # the root wants 3: not drafted
-    assert walk("sd", TREE, p, q, None, 0.0, True) == ([], 3)
+    assert walk("sd", TREE, p, None, 0.0, True) == ([], 3)
 
 
 def test_fsd_accepts_the_child_the_target_rates_highest():
     p, q = dists(2)
     d = divergence(p, q, "tv")
-    path, token = walk("fsd", TREE, p, q, d, math.inf, True)
+    path, token = walk("fsd", TREE, p, d, math.inf, True)
     best_root_child = max([0, 1, 2], key=lambda k: p[0, TREE.tokens[k]])
     assert path[0] == best_root_child
-    assert walk("fsd", TREE, p, q, d, 0.0, True) == ([], int(p[0].argmax()))  # T = 0: nothing accepted
+    assert walk("fsd", TREE, p, d, 0.0, True) == ([], int(p[0].argmax()))  # T = 0: nothing accepted
 
 
 def test_hybrid_at_zero_is_exact_under_one_seed():
     p, q = dists(3)
     d = divergence(p, q, "js")
     for seed in range(200):
-        exact = walk("sd", TREE, p, q, d, 0.0, False, torch.Generator().manual_seed(seed))
-        hybrid = walk("fsd-hybrid", TREE, p, q, d, 0.0, False, torch.Generator().manual_seed(seed))
+        exact = walk("sd", TREE, p, d, 0.0, False, torch.Generator().manual_seed(seed))
+        hybrid = walk("fsd-hybrid", TREE, p, d, 0.0, False, torch.Generator().manual_seed(seed))
         assert exact == hybrid
 
 
@@ -67,11 +67,11 @@ def test_infinite_threshold_walks_to_a_leaf():
     p, q = dists(4)
     d = divergence(p, q, "js")
     for rule in ("fsd", "fsd-hybrid"):
-        path, _ = walk(rule, TREE, p, q, d, math.inf, False, torch.Generator().manual_seed(0))
+        path, _ = walk(rule, TREE, p, d, math.inf, False, torch.Generator().manual_seed(0))
         assert path and path[-1] in (1, 2, 3, 4)  # nodes without children
 
 
 def test_unknown_rule():
     p, q = dists(5)
     with pytest.raises(ValueError):
-        walk("beam", TREE, p, q, None, 0.0, True)
+        walk("beam", TREE, p, None, 0.0, True)

@@ -1,8 +1,9 @@
-"""The serving engine: a bounded queue of requests, batched onto one ``BatchDecoder`` step by step.
+"""Serving: a bounded queue of requests, batched onto one decoding ``Engine`` step by step.
 
 One background thread owns the models. Between two decoding steps it retires finished or cancelled
 rows and admits waiting requests (up to ``max_batch`` rows), so a request joins the running batch at
-the next step instead of waiting for the batch to drain. Requests talk to it through thread-safe
+the next step instead of waiting for the batch to drain. Every request may use its own rule,
+threshold, sampling, length, tree shape and drafter. Requests talk to the thread through thread-safe
 events: text deltas as tokens are accepted, then one final result (or an error).
 """
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from .batching import BatchDecoder, Row
-from .decoding import DecodeConfig
+from .decoding import DecodeConfig, Engine, Row
+from .drafters import Drafter
 from .stats import Stats
 from .text import TextStream
 
@@ -72,12 +73,13 @@ class Counters:
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))  # (start, end, tokens) per step
 
 
-class Engine:
-    """Runs requests in a batch on a background thread."""
+class Scheduler:
+    """Runs requests in a batch on a background thread; ``make_drafter`` gives each request its drafter."""
 
-    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, tokenizer: Any, vocab_size: int,
-                 max_batch: int = 16, max_queue: int = 64) -> None:
-        self.decoder = BatchDecoder(target, draft, vocab_size)
+    def __init__(self, target: torch.nn.Module, make_drafter: Callable[[DecodeConfig], Drafter | None],
+                 tokenizer: Any, vocab_size: int, max_batch: int = 16, max_queue: int = 64) -> None:
+        self.decoder = Engine(target, vocab_size)
+        self.make_drafter = make_drafter
         self.tokenizer = tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.waiting: deque[Request] = deque()
@@ -174,7 +176,8 @@ class Engine:
                 continue
             stream = TextStream(self.tokenizer, request.stop)
             try:
-                row = self.decoder.add(request.input_ids, request.config, self._callback(request, stream))
+                row = self.decoder.add(request.input_ids, request.config, self.make_drafter(request.config),
+                                       self._callback(request, stream))
             except Exception as error:
                 self._error(request, error)
                 continue
@@ -233,4 +236,4 @@ class Engine:
         else:
             with self._lock:
                 self.waiting.extendleft(reversed(waiting))
-        self.decoder = BatchDecoder(self.decoder.target, self.decoder.draft, self.decoder.vocab_size)
+        self.decoder = Engine(self.decoder.target, self.decoder.vocab_size)
