@@ -15,7 +15,7 @@ table: the time of one draft step of each drafter against one target step (a 1-t
 200-token cache, medians), which decides how cheap drafting is.
 
 Usage: python benchmarks/bench_drafters.py [--sets everyday,sharegpt] [--prompts 16] [--max-new-tokens 128]
-           [--draft DIR] [--eagle DIR] [--threads 2] [--json PATH]
+           [--draft NAME] [--eagle NAME] [--extra 'ROW={"drafter": NAME, ...}'] [--threads 2] [--json PATH]
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from fuzzyspec.api import DEFAULT_DRAFT, DEFAULT_JOB, ModelPair, make_config
+from fuzzyspec.api import DEFAULT_JOB, ModelPair, make_config
 from fuzzyspec.data import prompts, read_sharegpt, split
 from fuzzyspec.decoding import target_features
 from fuzzyspec.kvcache import crop_to
-from fuzzyspec.loading import embedded_gguf, load_draft
+from fuzzyspec.loading import embedded_gguf
 from fuzzyspec.sampling import Sampling
 from fuzzyspec.quality import first_difference, target_nll
 from fuzzyspec.tasks import FreeForm
@@ -108,10 +108,11 @@ def main() -> None:
     parser.add_argument("--sets", default="everyday,sharegpt")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--draft", default=None, help="draft LM folder (default: the shipped one)")
-    parser.add_argument("--eagle", default="eagle", help="EAGLE head: 'eagle' (shipped) or eagle:DIR")
+    parser.add_argument("--draft", default="draft", help="the draft LM row's drafter (default: the shipped draft LM)")
+    parser.add_argument("--eagle", default="eagle", help="the EAGLE rows' drafter: 'eagle' (shipped) or eagle:DIR")
     parser.add_argument("--extra", action="append", default=[],
-                        help="another row: NAME=JSON options, with 'drafter' naming draft or eagle")
+                        help='another row: NAME=JSON decoding options with "drafter" giving a drafter name, e.g. '
+                             "'lookup sd={\"drafter\": \"lookup\", \"method\": \"sd\"}'")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
@@ -119,11 +120,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     base = ModelPair.load(draft=None, dtype="bfloat16")
-    pairs = {"draft": ModelPair(base.target, base.tokenizer,
-                                load_draft(args.draft, base.target, base.tokenizer)),
-             "eagle": ModelPair(base.target, base.tokenizer, load_draft(args.eagle, base.target, base.tokenizer))}
-    default_drafter = "eagle" if DEFAULT_JOB["draft"] == "eagle" else "draft"
-    default_options = {k: v for k, v in DEFAULT_JOB.items() if k != "draft"}
+    pairs: dict[str, ModelPair] = {}
+
+    def pair(name: str) -> ModelPair:  # one target in memory, one drafter per name
+        if name not in pairs:
+            pairs[name] = base.with_drafter(name)
+        return pairs[name]
+
+    draft, eagle = args.draft, args.eagle
     configs: list[tuple[str, ModelPair | None, dict]] = [("AR", base, dict(method="ar"))]
     llama = None
     if not args.no_llama_cpp:
@@ -132,15 +136,15 @@ def main() -> None:
             configs.append(("llama.cpp greedy (same GGUF)", None, {}))
         except ImportError:
             print("llama-cpp-python is not installed: no llama.cpp row", file=sys.stderr)
-    configs += [("draft LM chain sd", pairs["draft"], dict(method="sd")),
-                ("EAGLE chain sd", pairs["eagle"], dict(method="sd")),
-                ("EAGLE-2 tree 16/5/4 sd", pairs["eagle"], dict(method="sd", **TREE)),
-                ("default job (" + " ".join(str(v) for v in DEFAULT_JOB.values()) + ")", pairs[default_drafter],
-                 default_options)]
+    configs += [("draft LM chain sd", pair(draft), dict(method="sd")),
+                ("EAGLE chain sd", pair(eagle), dict(method="sd")),
+                ("EAGLE-2 tree 16/5/4 sd", pair(eagle), dict(method="sd", **TREE)),
+                ("default job (" + " ".join(str(v) for v in DEFAULT_JOB.values()) + ")", pair(DEFAULT_JOB["draft"]),
+                 {k: v for k, v in DEFAULT_JOB.items() if k != "draft"})]
     for extra in args.extra:
         name, options = extra.split("=", 1)
         options = json.loads(options)
-        configs.append((name, pairs[options.pop("drafter", "eagle")], options))
+        configs.append((name, pair(options.pop("drafter")), options))
 
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=())
     for name, pair, options in configs:  # warm-up
@@ -181,10 +185,10 @@ def main() -> None:
                               "target_nll": row["nll"] / len(texts), "prompts": len(texts)}
                              for name, row in totals.items()]
 
-    steps = step_times(base, {"draft LM": pairs["draft"], "EAGLE head": pairs["eagle"]})
+    steps = step_times(base, {"draft LM": pair(draft), "EAGLE head": pair(eagle)})
     print(f"fuzzyspec bench_drafters: SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} tokens per prompt, "
           f"bfloat16, {args.threads} threads, torch {torch.__version__}, {platform.machine()}; "
-          f"draft LM {args.draft or DEFAULT_DRAFT}, EAGLE head {args.eagle}")
+          f"draft LM {args.draft}, EAGLE head {args.eagle}")
     names = list(results)
     print(f"{'configuration':<34}" + "".join(f" | {n + ' (' + str(results[n][0]['prompts']) + ')':^38}"
                                               for n in names))

@@ -1,12 +1,22 @@
-"""fuzzyspec: fuzzy speculative decoding (FSD), speculative decoding (SD) and AR for Hugging Face causal LMs."""
-from .api import ModelPair, Result, make_config
-from .decoding import DecodeConfig, Engine, decode
-from .divergences import divergence
-from .drafters import Budget, Draft, Drafter, ModelDrafter
-from .rules import RULES
-from .sampling import Sampling
-from .stats import Stats
+"""fuzzyspec: fuzzy speculative decoding (FSD), speculative decoding (SD) and AR for Hugging Face causal LMs.
 
-__all__ = ["ModelPair", "Result", "make_config", "DecodeConfig", "Engine", "decode", "divergence", "Budget",
-           "Draft", "Drafter", "ModelDrafter", "RULES", "Sampling", "Stats"]
-__version__ = "0.1.0"
+The public names load on first use, so ``import fuzzyspec`` (and ``fuzzyspec --help``) stays fast.
+"""
+from importlib import import_module
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "ModelPair": "api", "Result": "api", "make_config": "api",
+    "DecodeConfig": "decoding", "Engine": "decoding", "decode": "decoding",
+    "divergence": "divergences", "Budget": "drafters", "Draft": "drafters", "Drafter": "drafters",
+    "ModelDrafter": "drafters", "LookupDrafter": "lookup", "load_drafter": "registry", "RULES": "rules",
+    "Sampling": "sampling", "Stats": "stats",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'fuzzyspec' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Accuracy-speed sweeps: run methods x rules x divergences x thresholds on a task, one row each.
+"""Accuracy-speed sweeps: run drafters x rules x divergences x thresholds on a task, one row each.
 
 A sweep lives in one folder. Every finished example is appended to ``generations/<row>.jsonl``
 (completion, counters, timing, scores), so an interrupted sweep resumes where it stopped, example by
@@ -23,21 +23,23 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from .api import DEFAULT_DRAFT, ModelPair, Result, eos_ids, make_config
+from .api import ModelPair, Result, eos_ids, make_config
 from .calibrate import calibrate_pair
 from .decoding import DecodeConfig
 from .loading import EMBEDDED
+from .options import BY_NAME
 from .quality import greedy_agreement, target_nll
 from .rules import FUZZY
 from .tasks import Example, Task, get_task
 
-TREE_SUFFIX = "+tree"  # a method "eagle+tree" drafts EAGLE-2 trees with the head "eagle"
+TREE_SUFFIX = "+tree"  # a drafter "eagle+tree" drafts EAGLE-2 trees with the head "eagle"
 COUNTERS = ("new_tokens", "target_forwards", "accepted", "proposed", "wall_s")
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What every row of a sweep shares; a sweep folder holds rows of one Settings only."""
+    """What every row of a sweep shares; a sweep folder holds rows of one Settings only. ``decoding`` holds
+    the decoding options every row shares (``options.OPTIONS`` names: gamma, sampling, length, seed, ...)."""
 
     task: str
     data: str | None = None
@@ -45,30 +47,21 @@ class Settings:
     target: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    max_new_tokens: int = 256
-    gamma: int = 5
-    gamma_schedule: str = "constant"
-    draft_confidence: float = 0.0
-    raw_divergence: bool = False
-    divergence_top_k: int = 50
-    divergence_top_p: float = 0.9
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    tree_total_tokens: int = 16
-    tree_depth: int = 5
-    tree_top_k: int = 4
     calibration_prompts: int = 8
     calibration_tokens: int = 64
+    decoding: dict = field(default_factory=lambda: {"seed": 0, "max_new_tokens": 256})
+
+    def option(self, name: str):
+        """A decoding option: the sweep's, else its default."""
+        return self.decoding.get(name, BY_NAME[name].default)
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One row: a drafter (``method``; "ar" for none) and a rule with its divergence and threshold.
-    A row may name ``target_acceptance`` instead of a threshold; T is then calibrated first."""
+    """One row: a drafter (``draft``, by registry name; "ar" for none) and a rule with its divergence and
+    threshold. A row may name ``target_acceptance`` instead of a threshold; T is then calibrated first."""
 
-    method: str
+    draft: str
     rule: str
     divergence: str | None = None
     threshold: float | None = None
@@ -76,7 +69,7 @@ class Spec:
 
     @property
     def key(self) -> str:
-        parts = [self.method, self.rule]
+        parts = [self.draft, self.rule]
         if self.rule in FUZZY:
             parts += [self.divergence or "", f"acc={self.target_acceptance:g}" if self.threshold is None
                       else f"T={self.threshold:g}"]
@@ -87,22 +80,22 @@ class Spec:
         return re.sub(r"[^A-Za-z0-9=.+-]+", "_", self.key) + ".jsonl"
 
 
-def plan(methods: list[str], rules: list[str], divergences: list[str], thresholds: list[float],
+def plan(drafts: list[str], rules: list[str], divergences: list[str], thresholds: list[float],
          target_acceptances: list[float] = ()) -> list[Spec]:
     """The rows of a sweep, AR first, then per drafter its SD row and its fuzzy rows."""
-    specs = [Spec("ar", "ar")] if "ar" in methods else []
-    for method in (m for m in methods if m != "ar"):
+    specs = [Spec("ar", "ar")] if "ar" in drafts else []
+    for draft in (d for d in drafts if d != "ar"):
         if "sd" in rules:
-            specs.append(Spec(method, "sd"))
+            specs.append(Spec(draft, "sd"))
         for rule in (r for r in rules if r in FUZZY):
             for divergence in divergences:
-                specs += [Spec(method, rule, divergence, t) for t in thresholds]
-                specs += [Spec(method, rule, divergence, target_acceptance=a) for a in target_acceptances]
+                specs += [Spec(draft, rule, divergence, t) for t in thresholds]
+                specs += [Spec(draft, rule, divergence, target_acceptance=a) for a in target_acceptances]
     unknown = set(rules) - {"sd", *FUZZY}
     if unknown:
         raise ValueError(f"unknown rule(s) {', '.join(sorted(unknown))}; valid: sd, {', '.join(FUZZY)}")
     if not specs:
-        raise ValueError("the sweep is empty: give --methods ar and/or a drafter with --rules")
+        raise ValueError("the sweep is empty: give --drafts ar and/or a drafter with --rules")
     return specs
 
 
@@ -131,8 +124,15 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as file:
-        file.write(json.dumps(record) + "\n")
+    """Append one record as a line. A last line cut by an interruption is ended first, so it stays one bad
+    line (skipped when read, its example redone) instead of gluing onto this record."""
+    with path.open("a+b") as file:
+        file.seek(0, 2)
+        if file.tell():
+            file.seek(-1, 2)
+            if file.read(1) != b"\n":
+                file.write(b"\n")
+        file.write((json.dumps(record) + "\n").encode())
 
 
 @dataclass
@@ -161,7 +161,9 @@ class Sweep:
         path = self.out / "sweep.json"
         if path.is_file():
             theirs = json.loads(path.read_text())
-            differ = sorted(k for k in mine if theirs.get(k) != mine[k])
+            flat = {k: v for k, v in mine.items() if k != "decoding"} | mine["decoding"]  # name the option itself
+            saved = {k: v for k, v in theirs.items() if k != "decoding"} | (theirs.get("decoding") or {})
+            differ = sorted(k for k in flat.keys() | saved.keys() if saved.get(k) != flat.get(k))
             if differ:
                 raise ValueError(f"{self.out} holds a sweep with other settings ({', '.join(differ)} differ): "
                                  f"use another --out")
@@ -169,9 +171,9 @@ class Sweep:
         path.write_text(json.dumps(mine, indent=2) + "\n")
 
     # -- models -------------------------------------------------------------------------------------
-    def pair(self, method: str) -> ModelPair:
-        """The target with the drafter a method names (one target in memory for all of them)."""
-        name = method.removesuffix(TREE_SUFFIX)
+    def pair(self, draft: str) -> ModelPair:
+        """The target with the drafter ``draft`` names (one target in memory for all of them)."""
+        name = draft.removesuffix(TREE_SUFFIX)
         if name not in self._pairs:
             s = self.settings
             if not self._pairs:
@@ -189,20 +191,15 @@ class Sweep:
 
     def config(self, spec: Spec, threshold: float | None, **overrides: Any) -> DecodeConfig:
         s = self.settings
-        pair = self.pair(spec.method)
-        options = dict(method=spec.rule, gamma=s.gamma, gamma_schedule=s.gamma_schedule,
-                       draft_confidence=s.draft_confidence, raw_divergence=s.raw_divergence,
-                       divergence_top_k=s.divergence_top_k, divergence_top_p=s.divergence_top_p,
-                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                       max_new_tokens=s.max_new_tokens, eos_token_ids=eos_ids(pair.target, pair.tokenizer),
-                       tree=spec.method.endswith(TREE_SUFFIX), tree_total_tokens=s.tree_total_tokens,
-                       tree_depth=s.tree_depth, tree_top_k=s.tree_top_k)
+        pair = self.pair(spec.draft)
+        options = dict(s.decoding, method=spec.rule, eos_token_ids=eos_ids(pair.target, pair.tokenizer),
+                       tree=spec.draft.endswith(TREE_SUFFIX))
         if spec.rule in FUZZY:
             options.update(divergence=spec.divergence, threshold=threshold)
         return make_config(**(options | overrides))
 
     def generate(self, spec: Spec, ids: torch.Tensor, config: DecodeConfig) -> Result:
-        return self.pair(spec.method).generate(ids, stop=self.task.stop, config=config)
+        return self.pair(spec.draft).generate(ids, stop=self.task.stop, config=config)
 
     # -- thresholds ---------------------------------------------------------------------------------
     def threshold(self, spec: Spec) -> float | None:
@@ -213,16 +210,16 @@ class Sweep:
         known = json.loads(path.read_text()) if path.is_file() else {}
         if spec.key not in known:
             s = self.settings
-            config = self.config(spec, 0.0, max_new_tokens=s.calibration_tokens, seed=s.seed)
+            config = self.config(spec, 0.0, max_new_tokens=s.calibration_tokens, seed=s.option("seed"))
             sample = [e.prompt for e in self.examples[: s.calibration_prompts]]
-            known[spec.key] = calibrate_pair(self.pair(spec.method), config, "acceptance", spec.target_acceptance,
+            known[spec.key] = calibrate_pair(self.pair(spec.draft), config, "acceptance", spec.target_acceptance,
                                              sample, self.task.stop, self.progress).to_dict()
             path.write_text(json.dumps(known, indent=2) + "\n")
         return known[spec.key]["threshold"]
 
     # -- rows ---------------------------------------------------------------------------------------
     def _is_greedy_ar(self, spec: Spec) -> bool:
-        return spec.rule == "ar" and self.settings.temperature == 0
+        return spec.rule == "ar" and self.settings.option("temperature") == 0
 
     def references(self, specs: list[Spec], done: dict[str, dict[str, dict]]) -> dict[str, list[int]]:
         """The target's greedy output per example (for agreement), kept on disk. A greedy AR row
@@ -280,20 +277,20 @@ class Sweep:
 
     def _warm_up(self, spec: Spec, threshold: float | None) -> None:
         """One short untimed call per drafter, so the first timed example pays no one-off costs."""
-        if spec.method in self._warm:
+        if spec.draft in self._warm:
             return
         config = self.config(spec, threshold, max_new_tokens=8, seed=0)
         self.generate(spec, self.ids(self.examples[0]), config)
-        self._warm.add(spec.method)
+        self._warm.add(spec.draft)
 
     def _run_example(self, spec: Spec, threshold: float | None, index: int, example: Example,
                      references: dict[str, list[int]] | None) -> dict:
         ids = self.ids(example)
-        config = self.config(spec, threshold, seed=self.settings.seed + index)
+        config = self.config(spec, threshold, seed=self.settings.option("seed") + index)
         result = self.generate(spec, ids, config)
         stats = result.stats
         scores = dict(self.task.score(example, result.text))
-        pair = self.pair(spec.method)
+        pair = self.pair(spec.draft)
         scores["nll"] = target_nll(pair.target, ids, result.tokens, pair.vocab_size)
         if references is not None:
             if self._is_greedy_ar(spec):
@@ -312,17 +309,16 @@ class Sweep:
             values = [r["scores"][name] for r in records if r["scores"].get(name) is not None]
             metrics[name] = sum(values) / len(values) if values else None
         return {
-            "task": self.task.name, "metric": self.task.metric, "method": spec.method, "rule": spec.rule,
+            "task": self.task.name, "metric": self.task.metric, "draft": spec.draft, "rule": spec.rule,
             "divergence": spec.divergence, "threshold": records[0]["threshold"],
             "target_acceptance": spec.target_acceptance, **metrics,
             "tokens_per_s": total["new_tokens"] / total["wall_s"] if total["wall_s"] else 0.0,
             "mean_accepted": total["new_tokens"] / max(total["target_forwards"], 1),
             "acceptance_rate": total["accepted"] / total["proposed"] if total["proposed"] else None,
             "target_forwards": total["target_forwards"], "new_tokens": total["new_tokens"],
-            "prompts": len(records), "seed": s.seed, "target": s.target or EMBEDDED,
-            "draft": None if spec.method == "ar" else spec.method, "dtype": s.dtype, "device": s.device,
-            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "gamma": s.gamma,
-            "max_new_tokens": s.max_new_tokens, "hardware": hardware(s.device), "key": spec.key,
+            "prompts": len(records), "seed": s.option("seed"), "target": s.target or EMBEDDED,
+            "dtype": s.dtype, "device": s.device, "temperature": s.option("temperature"), "top_k": s.option("top_k"),
+            "top_p": s.option("top_p"), "gamma": s.option("gamma"), "max_new_tokens": s.option("max_new_tokens"), "hardware": hardware(s.device), "key": spec.key,
         }
 
     def write(self, specs: list[Spec], done: dict[str, dict[str, dict]]) -> list[dict]:

@@ -36,18 +36,18 @@ from torch import Tensor
 from .divergences import canonical_name, divergence, point_divergence
 from .drafters import Budget, Draft, Drafter
 from .kvcache import PaddedCache
+from .options import METHODS, OPTIONS, SCHEDULES
 from .rules import FUZZY, RULES
 from .sampling import Sampling, raw_probs, sample
 from .stats import Stats
 from .tree_rules import walk
 
-METHODS = ("ar", "sd", "fsd", "fsd-hybrid")
-SCHEDULES = ("constant", "heuristic")
+_DEFAULT = {option.name: option.default for option in OPTIONS}  # the defaults are declared in options.OPTIONS
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Everything that decides how one sequence is decoded.
+    """Everything that decides how one sequence is decoded (each option's help: ``options.OPTIONS``).
 
     method: ``ar``, ``sd``, ``fsd`` or ``fsd-hybrid``.
     gamma: drafts per step (the start value under the ``heuristic`` schedule,
@@ -61,23 +61,23 @@ class DecodeConfig:
     tree: draft EAGLE-2 trees (total nodes, depth, children per node) instead of chains.
     """
 
-    method: str = "fsd"
-    gamma: int = 5
-    gamma_schedule: str = "constant"
-    draft_confidence: float = 0.0
-    divergence: str = "js"
-    threshold: float = 0.3
-    divergence_top_k: int = 50
-    divergence_top_p: float = 0.9
-    raw_divergence: bool = False
+    method: str = _DEFAULT["method"]
+    gamma: int = _DEFAULT["gamma"]
+    gamma_schedule: str = _DEFAULT["gamma_schedule"]
+    draft_confidence: float = _DEFAULT["draft_confidence"]
+    divergence: str = _DEFAULT["divergence"]
+    threshold: float = _DEFAULT["threshold"]
+    divergence_top_k: int = _DEFAULT["divergence_top_k"]
+    divergence_top_p: float = _DEFAULT["divergence_top_p"]
+    raw_divergence: bool = _DEFAULT["raw_divergence"]
     sampling: Sampling = field(default_factory=Sampling)
-    max_new_tokens: int = 128
-    seed: int | None = None
+    max_new_tokens: int = _DEFAULT["max_new_tokens"]
+    seed: int | None = _DEFAULT["seed"]
     eos_token_ids: tuple[int, ...] = ()
-    tree: bool = False
-    tree_total_tokens: int = 16
-    tree_depth: int = 5
-    tree_top_k: int = 4
+    tree: bool = _DEFAULT["tree"]
+    tree_total_tokens: int = _DEFAULT["tree_total_tokens"]
+    tree_depth: int = _DEFAULT["tree_depth"]
+    tree_top_k: int = _DEFAULT["tree_top_k"]
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

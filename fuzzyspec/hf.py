@@ -29,11 +29,13 @@ the EOS ids, and every stopping criterion HF prepared (max time, custom
 ...) cannot be applied by the speculative loop: they are ignored with a warning.
 
 Limits of transformers' hook, not of this module: a ``streamer`` passed to
-``generate`` receives the prompt but is never handed to the callable, and
-``tokenizer`` is dropped too, so ``stop_strings`` cannot be used.
+``model.generate`` receives the prompt but is never handed to the callable (pass it
+as ``fsd_streamer`` instead), and ``tokenizer`` is dropped too, so ``stop_strings``
+cannot be used.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -43,9 +45,11 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .decoding import METHODS, DecodeConfig, decode
+from .decoding import DecodeConfig, decode
 from .drafters import ModelDrafter
 from .loading import logit_width
+from .options import METHODS, OPTIONS
+from .registry import load_drafter
 from .sampling import Sampling
 from .stats import Stats
 
@@ -57,22 +61,14 @@ IGNORABLE_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep"
 DEFAULT_MAX_NEW_TOKENS = 20  # HF's model-agnostic default
 
 
-def generate(
-    model: PreTrainedModel,
-    input_ids: Tensor,
-    logits_processor: LogitsProcessorList | None = None,
-    stopping_criteria: StoppingCriteriaList | None = None,
-    generation_config: GenerationConfig | None = None,
-    draft_model: PreTrainedModel | None = None,
-    fsd_method: str = "fsd",
-    fsd_threshold: float = 0.3,
-    fsd_divergence: str = "js",
-    fsd_gamma: int = 5,
-    fsd_raw_divergence: bool = False,
-    fsd_seed: int | None = None,
-    fsd_stats: list[Stats] | None = None,
-    **model_kwargs: Any,
-) -> Tensor | GenerateDecoderOnlyOutput:
+HOOK_OPTIONS = [option for option in OPTIONS if option.hook]  # what the hook takes as fsd_<name>
+
+
+def generate(model: PreTrainedModel, input_ids: Tensor, logits_processor: LogitsProcessorList | None = None,
+             stopping_criteria: StoppingCriteriaList | None = None, generation_config: GenerationConfig | None = None,
+             draft_model: PreTrainedModel | None = None, fsd_draft: str | None = None,
+             fsd_stats: list[Stats] | None = None, fsd_streamer: Any = None,
+             **kwargs: Any) -> Tensor | GenerateDecoderOnlyOutput:
     """Generate with AR, SD, FSD or FSD-hybrid; returns prompt + new tokens ([1, L + n]) like HF ``generate``.
 
     Meant to be passed as ``custom_generate=fuzzyspec.hf.generate`` to ``model.generate``
@@ -80,50 +76,67 @@ def generate(
     ``generation_config`` it goes through ``model.generate`` itself, so
     ``generate(target, ids, draft_model=draft, max_new_tokens=32)`` works too.
 
-    draft_model: the draft (not needed for ``fsd_method="ar"``); logits past the
-        narrower of the two output embeddings are dropped.
-    fsd_method, fsd_threshold, fsd_divergence, fsd_gamma, fsd_raw_divergence:
-        ``DecodeConfig``'s method, threshold, divergence, gamma, raw_divergence.
+    draft_model: a draft model sharing the target's vocabulary; or fsd_draft: a drafter by name
+        (``registry``: "eagle:DIR", "lookup", "self:N", a model id...). Neither is needed for "ar".
+    fsd_<option>: every decoding option of ``options.OPTIONS`` but sampling and length (those come
+        from the generation config): fsd_method, fsd_threshold, fsd_divergence, fsd_gamma, fsd_tree, ...
     fsd_seed: seeds the sampling; when None a seed is drawn from torch's global
         generator, so ``torch.manual_seed`` makes runs reproducible as with HF.
     fsd_stats: a list that receives the run's ``Stats``.
+    fsd_streamer: a transformers streamer (``TextStreamer``, ``TextIteratorStreamer``) that receives the
+        prompt, then the tokens as they are accepted, then ``end()``. transformers does not hand its own
+        ``streamer=`` argument to custom_generate callables, so give it here (calling this function
+        directly, ``streamer=`` works too).
 
-    Only one unpadded sequence is decoded per call (batching comes later).
-    ``return_dict_in_generate=True`` gives a ``GenerateDecoderOnlyOutput`` with
-    ``sequences`` only (no scores, logits or cache).
+    Only one unpadded sequence is decoded per call. ``return_dict_in_generate=True`` gives a
+    ``GenerateDecoderOnlyOutput`` with ``sequences`` only (no scores, logits or cache).
     """
+    fsd = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("fsd_")}
+    unknown = sorted(set(fsd) - {f"fsd_{o.name}" for o in HOOK_OPTIONS})
+    if unknown:
+        raise TypeError(f"unknown fuzzyspec option(s): {', '.join(unknown)}; valid: "
+                        f"{', '.join(f'fsd_{o.name}' for o in HOOK_OPTIONS)}, fsd_draft, fsd_stats, fsd_streamer")
     if generation_config is None:
         # Called directly: let HF prepare the config, processors and criteria, then come back here.
-        return model.generate(
-            input_ids, custom_generate=generate, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, draft_model=draft_model, fsd_method=fsd_method,
-            fsd_threshold=fsd_threshold, fsd_divergence=fsd_divergence, fsd_gamma=fsd_gamma,
-            fsd_raw_divergence=fsd_raw_divergence, fsd_seed=fsd_seed, fsd_stats=fsd_stats, **model_kwargs)
-
+        streamer = kwargs.pop("streamer", None)
+        return model.generate(input_ids, custom_generate=generate, logits_processor=logits_processor,
+                              stopping_criteria=stopping_criteria, draft_model=draft_model, fsd_draft=fsd_draft,
+                              fsd_stats=fsd_stats, fsd_streamer=fsd_streamer or streamer, **fsd, **kwargs)
+    model_kwargs = kwargs
+    options = {o.name: fsd.get(f"fsd_{o.name}", o.default) for o in HOOK_OPTIONS}
+    method = options["method"]
     _check_inputs(model, input_ids, generation_config, model_kwargs)
-    if fsd_method not in METHODS:
-        raise ValueError(f"unknown fsd_method {fsd_method!r}; valid: {', '.join(METHODS)}")
-    if fsd_method != "ar" and draft_model is None:
-        raise ValueError(f"fsd_method={fsd_method!r} needs a draft model: pass draft_model=... to generate "
+    if method not in METHODS:
+        raise ValueError(f"unknown fsd_method {method!r}; valid: {', '.join(METHODS)}")
+    if method != "ar" and draft_model is None and fsd_draft is None:
+        raise ValueError(f"fsd_method={method!r} needs a drafter: pass draft_model=... or fsd_draft=NAME to generate "
                          "(or use fsd_method='ar' to decode with the target alone)")
     _warn_ignored_processors(logits_processor)
 
     input_ids = input_ids.to(model.get_input_embeddings().weight.device)
     prompt_len = input_ids.shape[1]
     max_new_tokens = _max_new_tokens(generation_config, prompt_len)
+    if fsd_streamer is not None:
+        fsd_streamer.put(input_ids.cpu())
     if max_new_tokens < 1:
+        if fsd_streamer is not None:
+            fsd_streamer.end()
         return _output(input_ids, generation_config)
     sampling = sampling_from(generation_config)
-    seed = fsd_seed
-    if seed is None:  # greedy decoding draws nothing: leave the global generator alone
-        seed = 0 if sampling.greedy else int(torch.randint(2**62, (1,)).item())
-    config = DecodeConfig(
-        method=fsd_method, gamma=fsd_gamma, divergence=fsd_divergence, threshold=fsd_threshold,
-        raw_divergence=fsd_raw_divergence, sampling=sampling,
-        max_new_tokens=max_new_tokens, seed=seed, eos_token_ids=eos_token_ids(generation_config))
-    use_draft = fsd_method != "ar"
-    vocab_size = min(logit_width(model), logit_width(draft_model)) if use_draft else logit_width(model)
-    drafter = ModelDrafter(draft_model, vocab_size) if use_draft else None
+    if options["seed"] is None:  # greedy decoding draws nothing: leave the global generator alone
+        options["seed"] = 0 if sampling.greedy else int(torch.randint(2**62, (1,)).item())
+    config = DecodeConfig(sampling=sampling, max_new_tokens=max_new_tokens,
+                          eos_token_ids=eos_token_ids(generation_config), **options)
+    vocab_size = logit_width(model)
+    drafter = None
+    if method != "ar":
+        if draft_model is not None:
+            vocab_size = min(vocab_size, logit_width(draft_model))
+            drafter = ModelDrafter(draft_model, vocab_size)
+        else:
+            source = load_drafter(fsd_draft, model, None, vocab_size)
+            vocab_size = min(vocab_size, source.width or vocab_size)
+            drafter = source.new()
 
     # HF criteria look at the end of the sequence, but a step may add several tokens:
     # check each new prefix, and cut after the first one that stops.
@@ -134,15 +147,22 @@ def generate(
         nonlocal sequence
         start = sequence.shape[1]
         sequence = torch.cat([sequence, new], 1)
-        if not stopping_criteria:
-            return False
-        for end in range(start + 1, sequence.shape[1] + 1):
-            if bool(stopping_criteria(sequence[:, :end], None)[0]):
-                stop_at.append(end)
-                return True
-        return False
+        stopped = False
+        if stopping_criteria:
+            for end in range(start + 1, sequence.shape[1] + 1):
+                if bool(stopping_criteria(sequence[:, :end], None)[0]):
+                    stop_at.append(end)
+                    stopped = True
+                    break
+        if fsd_streamer is not None:
+            fsd_streamer.put(sequence[0, start: stop_at[0] if stopped else None].cpu())
+        return stopped
 
-    new_tokens, stats = decode(model, drafter, input_ids, config, vocab_size, on_tokens)
+    try:
+        new_tokens, stats = decode(model, drafter, input_ids, config, vocab_size, on_tokens)
+    finally:
+        if fsd_streamer is not None:
+            fsd_streamer.end()  # also on an error: an iterator streamer must not wait forever
     output = torch.cat([input_ids, new_tokens], 1)
     if stop_at:
         output = output[:, : stop_at[0]]
@@ -150,6 +170,13 @@ def generate(
     if fsd_stats is not None:
         fsd_stats.append(stats)
     return _output(output, generation_config)
+
+
+# transformers passes a custom_generate callable the keyword arguments its signature names: name every option.
+generate.__signature__ = inspect.signature(generate).replace(parameters=[
+    *[p for p in inspect.signature(generate).parameters.values() if p.kind != p.VAR_KEYWORD],
+    *[inspect.Parameter(f"fsd_{o.name}", inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in HOOK_OPTIONS],
+    inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
 def sampling_from(generation_config: GenerationConfig) -> Sampling:

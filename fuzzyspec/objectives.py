@@ -29,9 +29,9 @@ from transformers import PreTrainedModel
 from .draftlm import make_draft_lm, own_weights, save_draft_lm
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head, make_eagle3
+from .options import LOSSES
 from .vocab import DraftVocab
 
-LOSSES = ("ce", "tv", "js")
 
 
 def distill_loss(name: str, p: Tensor, log_q: Tensor) -> Tensor:

@@ -40,9 +40,9 @@ def plot_curve(rows: list[dict], path: str | Path, metric: str, higher_is_better
             axes.scatter(row["tokens_per_s"], row[metric], marker="s", s=70, color="black", zorder=3, label="AR")
         elif row["rule"] == "sd":
             axes.scatter(row["tokens_per_s"], row[metric], marker="D", s=60, zorder=3,
-                         label=f"SD ({row['method']})")
+                         label=f"SD ({row['draft']})")
         else:
-            families[f"{row['rule'].upper()} {row['divergence']} ({row['method']})"].append(row)
+            families[f"{row['rule'].upper()} {row['divergence']} ({row['draft']})"].append(row)
     for name, members in families.items():
         members.sort(key=lambda r: r["threshold"])
         line, = axes.plot([r["tokens_per_s"] for r in members], [r[metric] for r in members], marker="o",

@@ -46,7 +46,7 @@ class DrafterSource:
     drafts_trees: bool = False
 
 
-def load_drafter(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+def load_drafter(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
                  target_name: str | None = None, dtype: str = "auto", device: str = "cpu") -> DrafterSource:
     """Load the drafter ``name`` (see the module docstring) for ``target``."""
     if name == DEFAULT_DRAFT:
@@ -78,7 +78,8 @@ def load_drafter(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokeni
     if is_shared_draft(name):
         return _draft_lm(name, name, target, vocab_size)
     draft, draft_tokenizer = load_model(name, dtype, device)
-    check_vocabularies(tokenizer, draft_tokenizer)
+    if tokenizer is not None:  # the transformers hook has no tokenizer: the logit widths are checked there
+        check_vocabularies(tokenizer, draft_tokenizer)
     return DrafterSource(name, draft, lambda: ModelDrafter(draft, vocab_size), logit_width(draft))
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import options
 from .sampling import sample
 
 Verdict = tuple[Tensor, Tensor]
@@ -128,4 +129,4 @@ Rule = Callable[[Tensor, Tensor, Tensor | None, Tensor | None, float, bool, torc
 RULES: dict[str, Rule] = {"sd": sd, "fsd": fsd, "fsd-hybrid": fsd_hybrid}
 
 # Rules that read D; the decoding loop computes it only for these.
-FUZZY = frozenset({"fsd", "fsd-hybrid"})
+FUZZY = frozenset(options.FUZZY)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .options import BY_NAME
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -16,9 +18,9 @@ class Sampling:
     distributions that divergences see are softmax(logits) after top-k and top-p.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = BY_NAME["temperature"].default
+    top_k: int = BY_NAME["top_k"].default
+    top_p: float = BY_NAME["top_p"].default
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

@@ -165,12 +165,12 @@ class Scheduler:
         self._fail_all(Unavailable("the server is shutting down"))
 
     def _admit(self) -> None:
-        now = time.monotonic()
         while len(self.running) < self.max_batch:
             with self._lock:
                 if not self.waiting:
                     return
                 request = self.waiting.popleft()
+            now = time.monotonic()  # read per request: admitting the ones before took time
             if now > request.deadline or request.cancelled:
                 self._close(request, "timeout" if now > request.deadline else "cancelled")
                 continue

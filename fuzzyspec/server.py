@@ -12,46 +12,58 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model
 
 from .api import ModelPair, eos_ids, make_config
 from .calibrate import cached_calibration
-from .decoding import METHODS
-from .divergences import canonical_name
+from .options import BY_NAME, OPTIONS
 from .scheduler import QueueFull, Scheduler, Unavailable
 from .scheduler import Request as EngineRequest
 from .rules import FUZZY
 
 
+# Decoding options a request may set, by request field (``options.OPTIONS`` declares them).
+REQUEST_OPTIONS = {option.request: option for option in OPTIONS if option.request}
+# OpenAI request fields this server does not implement: refused (HTTP 400 naming them) unless they hold the
+# value that means "off", so nothing is ever accepted and silently ignored.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None,),
+               "response_format": (None, {"type": "text"}), "tools": (None,), "tool_choice": (None, "none"),
+               "functions": (None,), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
+               "n": (None, 1), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
+# Fields that only label a request (OpenAI clients send them): accepted, and nothing depends on them.
+LABELS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort"}
+SERVER_DEFAULTS = {"temperature": 1.0, "max_new_tokens": 256}  # OpenAI's temperature; a length when none is asked
+log = logging.getLogger("fuzzyspec.server")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    """Server-wide settings and the defaults of every per-request option."""
+    """Server-wide settings; ``defaults`` are the decoding options a request does not set itself."""
 
     model_name: str
-    method: str = "fsd"
-    divergence: str = "js"
-    threshold: float = 0.3
-    gamma: int = 5
-    tree: bool = False              # EAGLE-2 draft trees (an EAGLE head as the drafter)
-    tree_total_tokens: int = 16
-    tree_depth: int = 5
-    tree_top_k: int = 4
-    temperature: float = 1.0        # OpenAI's default when a request gives none
-    max_tokens: int = 256           # when a request gives none
+    defaults: dict = field(default_factory=lambda: dict(SERVER_DEFAULTS))
     max_batch: int = 16
     max_queue: int = 64
     request_timeout: float = 300.0  # seconds from arrival, queueing included
+    max_body_bytes: int = 1_000_000
     names: tuple[tuple[str, str], ...] = ()  # what identifies the models in the calibration cache
+
+    def default(self, name: str) -> Any:
+        return self.defaults.get(name, SERVER_DEFAULTS.get(name, BY_NAME[name].default))
 
 
 class APIError(Exception):
@@ -65,30 +77,34 @@ class APIError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
-class _Options(BaseModel):
-    """Fields shared by both endpoints; unknown fields are ignored, as OpenAI clients send many."""
+def _strict(default: Any) -> Any:
+    """The strict pydantic type of an option's values: "yes" is no bool, 1.5 no int."""
+    if isinstance(default, bool):
+        return StrictBool
+    if isinstance(default, int) or default is None:
+        return StrictInt
+    if isinstance(default, float):
+        return float
+    return StrictStr
 
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+
+class _Base(BaseModel):
+    """Fields shared by both endpoints. Other fields are kept aside and checked (``UNSUPPORTED``, ``LABELS``)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    seed: int | None = None
-    n: int = 1
-    method: str | None = None
-    fsd_threshold: float | None = None
-    fsd_divergence: str | None = None
     target_acceptance: float | None = None
-    gamma: int | None = None
-    tree: bool | None = None
+
+
+_Options = create_model("_Options", __base__=_Base, **{
+    name: (_strict(option.default) | None, None) for name, option in REQUEST_OPTIONS.items()})
 
 
 class CompletionBody(_Options):
-    prompt: str | list[str]
+    prompt: StrictStr | list[StrictStr]
 
 
 class ChatMessage(BaseModel):
@@ -99,7 +115,15 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Options):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a DecodeConfig error is about (its message names the option)."""
+    for field_name, option in sorted(REQUEST_OPTIONS.items(), key=lambda item: -len(item[1].name)):
+        if re.search(rf"\b{option.name}\b", message):
+            return field_name
+    return "fsd_divergence" if "divergence" in message else None
 
 
 def _text_of(content: str | list[dict[str, Any]] | None) -> str:
@@ -130,40 +154,37 @@ class Server:
         if body.model != c.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {c.model_name!r}",
                            "model_not_found", "model")
-        if body.n != 1:
-            raise APIError(400, "only n = 1 is supported", "unsupported_value", "n")
-        max_tokens = c.max_tokens if max_tokens is None else max_tokens
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "invalid_value", "max_tokens")
-        method = body.method or c.method
-        if method not in METHODS:
-            raise APIError(400, f"unknown method {method!r}; valid: {', '.join(METHODS)}", "invalid_value", "method")
-        if method != "ar" and self.pair.draft is None:
-            raise APIError(400, f"method {method!r} needs a draft model, and this server has none", "invalid_value",
-                           "method")
-        divergence = body.fsd_divergence or c.divergence
-        try:
-            canonical_name(divergence)
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_value", "fsd_divergence") from None
+        for name, value in (body.model_extra or {}).items():
+            if name in LABELS or (name in UNSUPPORTED and value in UNSUPPORTED[name]):
+                continue
+            what = "is not supported by this server" if name in UNSUPPORTED else "is not a field of this API"
+            raise APIError(400, f"{name} {what}", "unsupported_parameter", name)
+        options = {name: c.default(name) for name in BY_NAME}
+        for field_name, option in REQUEST_OPTIONS.items():
+            value = getattr(body, field_name)
+            if value is not None:
+                options[option.name] = value
+        if max_tokens is not None:
+            options["max_new_tokens"] = max_tokens
+        if options["method"] != "ar" and self.pair.draft is None:
+            raise APIError(400, f"method {options['method']!r} needs a drafter, and this server has none",
+                           "invalid_value", "method")
         if body.fsd_threshold is not None and body.target_acceptance is not None:
             raise APIError(400, "give fsd_threshold or target_acceptance, not both", "invalid_value",
                            "target_acceptance")
-        temperature = c.temperature if body.temperature is None else body.temperature
-        if not 0 <= temperature <= 2:
-            raise APIError(400, f"temperature must be in [0, 2], got {temperature}", "invalid_value", "temperature")
-        options = dict(method=method, divergence=divergence, gamma=c.gamma if body.gamma is None else body.gamma,
-                       threshold=c.threshold if body.fsd_threshold is None else body.fsd_threshold,
-                       temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                       top_k=body.top_k or 0, seed=body.seed, max_new_tokens=max_tokens, eos_token_ids=self.eos,
-                       tree=c.tree if body.tree is None else body.tree, tree_total_tokens=c.tree_total_tokens,
-                       tree_depth=c.tree_depth, tree_top_k=c.tree_top_k)
-        if body.seed is not None and not 0 <= body.seed < 2**63:
-            raise APIError(400, f"seed must be in [0, 2**63), got {body.seed}", "invalid_value", "seed")
+        if not 0 <= options["temperature"] <= 2:
+            raise APIError(400, f"temperature must be in [0, 2], got {options['temperature']}", "invalid_value",
+                           "temperature")
+        if options["seed"] is not None and not 0 <= options["seed"] < 2**63:
+            raise APIError(400, f"seed must be in [0, 2**63), got {options['seed']}", "invalid_value", "seed")
         try:
-            config = make_config(**options)
+            config = make_config(**options, eos_token_ids=self.eos)
         except ValueError as error:
-            raise APIError(400, str(error), "invalid_value") from None
+            param = _param_of(str(error))
+            message = str(error)
+            if param is not None and REQUEST_OPTIONS[param].name != param:  # say it as the request does
+                message = re.sub(rf"^{REQUEST_OPTIONS[param].name}\b", param, message)
+            raise APIError(400, message, "invalid_value", param) from None
         if config.tree and (self.pair.draft is None or not self.pair.draft.drafts_trees):
             raise APIError(400, "tree drafting needs an EAGLE head as the server's drafter", "invalid_value", "tree")
         return config
@@ -212,7 +233,8 @@ class Server:
                     raise APIError(400, "send one prompt per request", "unsupported_value", "prompt")
                 body.prompt = body.prompt[0]
             prompt = body.prompt
-        ids = self._ids(prompt, chat, config.max_new_tokens)
+        # Tokenizing a long prompt takes a while: off the event loop, so no stream stalls meanwhile.
+        ids = await asyncio.get_running_loop().run_in_executor(None, self._ids, prompt, chat, config.max_new_tokens)
         config = await self._threshold(body, config)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         loop = asyncio.get_running_loop()
@@ -385,6 +407,36 @@ class _Reply:
         return body
 
 
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes with 413, by their Content-Length or as they stream in.
+    (A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide client disconnects from the routes.)"""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"the request body is larger than {self.limit} bytes", "request_too_large")
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await too_large.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise too_large
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def _sse(body: dict) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
@@ -405,18 +457,25 @@ def create_app(server: Server) -> FastAPI:
         return error.response()
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.error("500 on %s %s", request.method, request.url.path, exc_info=error)
         return APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error",
                         kind="server_error").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        return APIError(error.status_code, str(error.detail), codes.get(error.status_code, "http_error")).response()
+
+    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        if first.get("type") == "json_invalid":
-            message = "the body is not valid JSON"
-        else:
-            message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
+        if first.get("type") == "json_invalid":  # its location is a byte offset, not a field
+            return APIError(400, "the body is not valid JSON", "invalid_json").response()
+        message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
         return APIError(400, message, "invalid_request", where or None).response()
 
     @app.post("/v1/completions")

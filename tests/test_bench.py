@@ -32,8 +32,8 @@ def task_file(tmp_path):
 
 
 def settings(task_file, tiny_dirs, **extra):
-    return Settings(task=task_file, target=tiny_dirs["target"], dtype="float32", max_new_tokens=6,
-                    calibration_prompts=3, calibration_tokens=6, **extra)
+    return Settings(task=task_file, target=tiny_dirs["target"], dtype="float32", calibration_prompts=3,
+                    calibration_tokens=6, decoding={"seed": 0, "max_new_tokens": 6}, **extra)
 
 
 def count_generate(monkeypatch):
@@ -65,7 +65,7 @@ def test_a_sweep_writes_rows_csv_json_and_png(tmp_path, task_file, tiny_dirs):
     assert [r["key"] for r in rows] == [s.key for s in specs]
     by_rule = {(r["rule"], r["threshold"]): r for r in rows}
     ar, sd = by_rule[("ar", None)], by_rule[("sd", None)]
-    assert ar["mean_accepted"] == 1 and ar["acceptance_rate"] is None and ar["draft"] is None
+    assert ar["mean_accepted"] == 1 and ar["acceptance_rate"] is None and ar["draft"] == "ar"
     # float32 greedy SD is the target's greedy output: same scores as AR
     assert sd["accuracy"] == ar["accuracy"] and sd["nll"] == pytest.approx(ar["nll"], abs=1e-4)
     for row in rows:
@@ -108,7 +108,8 @@ def test_a_sweep_resumes_without_redoing_rows(tmp_path, task_file, tiny_dirs, mo
 def test_a_sweep_folder_refuses_other_settings(tmp_path, task_file, tiny_dirs):
     Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False)
     with pytest.raises(ValueError, match="max_new_tokens differ"):
-        Sweep(dataclasses.replace(settings(task_file, tiny_dirs), max_new_tokens=9), tmp_path, progress=False)
+        Sweep(dataclasses.replace(settings(task_file, tiny_dirs), decoding={"seed": 0, "max_new_tokens": 9}),
+              tmp_path, progress=False)
 
 
 def test_target_acceptance_rows_are_calibrated_once(tmp_path, task_file, tiny_dirs, monkeypatch):

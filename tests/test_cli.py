@@ -65,7 +65,9 @@ def test_bad_self_draft(capsys, tiny_dirs):
 
 
 def test_usage_errors_are_one_line(capsys):
-    fails_cleanly(capsys, [])
+    assert main([]) == 2  # bare: the usage, then one error line
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fuzzyspec") and err.strip().splitlines()[-1].startswith("fuzzyspec: error: ")
     fails_cleanly(capsys, ["generate"])
     fails_cleanly(capsys, ["generate", "hi", "--no-such-flag"])
 
@@ -182,3 +184,37 @@ def test_generate_with_target_acceptance_calibrates_once(capsys, tmp_path, tiny_
     monkeypatch.setattr("fuzzyspec.calibrate.calibrate_pair", None)  # a second call must read the cache
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["threshold"] == calibration["threshold"]
+
+
+def test_version_threads_and_python_dash_m(capsys, tiny_dirs):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--version"])
+    assert stopped.value.code == 0 and capsys.readouterr().out.startswith("fuzzyspec ")
+    assert main(["--threads", "1", "generate", "hi", "--target", tiny_dirs["target"], "--method", "ar", "--json",
+                 "--max-new-tokens", "3"]) == 0
+    capsys.readouterr()
+    fails_cleanly(capsys, ["--threads", "0", "generate", "hi"], "--threads must be >= 1")
+    done = subprocess.run([sys.executable, "-m", "fuzzyspec", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "generate" in done.stdout
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_decoding(capsys, tiny_dirs):
+    fails_cleanly(capsys, ["generate", "hi " * 2000, "--target", tiny_dirs["target"], "--method", "ar"],
+                  "the target's context holds")
+
+
+def test_cuda_without_cuda_and_unwritable_outputs_are_one_line(capsys, tmp_path):
+    import torch
+    if not torch.cuda.is_available():
+        fails_cleanly(capsys, ["generate", "hi", "--device", "cuda"], "no CUDA GPU")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    fails_cleanly(capsys, ["bench", "--task", "freeform", "--data", PROMPTS, "--out", str(blocker / "sub")],
+                  "cannot write there")
+
+
+def test_bench_methods_is_the_old_name_of_drafts(capsys, tmp_path, tiny_dirs):
+    argv = ["bench", "--task", "freeform", "--data", PROMPTS, "--out", str(tmp_path), "--target", tiny_dirs["target"],
+            "--methods", "ar", "--limit", "1", "--max-new-tokens", "3", "--dtype", "float32", "--quiet"]
+    assert main(argv) == 0
+    assert "now --drafts" in capsys.readouterr().err

@@ -102,3 +102,14 @@ def test_reference_code_aliases():
 def test_unknown_name_lists_valid_ones():
     with pytest.raises(ValueError, match="valid: .*js.*kl_div"):
         divergence(torch.ones(2) / 2, torch.ones(2) / 2, "cosine")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_point_mass_needs_no_one_hot(name):
+    """D(p, q) with q certain of a token (prompt lookup) equals the dense divergence against the one-hot."""
+    from fuzzyspec.divergences import point_divergence
+    g = torch.Generator().manual_seed(7)
+    p = (torch.randn(6, 40, generator=g) * 3).softmax(-1)
+    tokens = torch.tensor([0, 5, 39, int(p[3].argmax()), 7, int(p[5].argsort()[-2])])
+    dense = divergence(p, torch.nn.functional.one_hot(tokens, 40).float(), name, top_k=5, top_p=0.8)
+    torch.testing.assert_close(point_divergence(p, tokens, name, top_k=5, top_p=0.8), dense, rtol=1e-4, atol=1e-5)

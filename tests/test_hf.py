@@ -190,3 +190,45 @@ def test_sampling_uses_hf_default_top_k(target, draft, monkeypatch):
     monkeypatch.setattr(fuzzyspec.hf, "sampling_from", lambda config: seen.append(real(config)) or seen[-1])
     fsd(target, PROMPTS[0], draft_model=draft, max_new_tokens=2, do_sample=True, temperature=0.6, top_p=0.9)
     assert seen == [Sampling(temperature=0.6, top_k=50, top_p=0.9)]
+
+
+def test_drafters_by_name_and_every_option(target, tmp_path):
+    """fsd_draft names any registry drafter; every decoding option is an fsd_ keyword (trees included)."""
+    from fuzzyspec.eagle3 import make_eagle3
+    from fuzzyspec.vocab import DraftVocab
+    make_eagle3(target, DraftVocab(torch.arange(0, V, 2), V)).save(tmp_path)
+    prompt = torch.tensor([PROMPTS[0] * 3])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    for options in ({"fsd_draft": "lookup"}, {"fsd_draft": f"eagle:{tmp_path}"},
+                    {"fsd_draft": f"eagle:{tmp_path}", "fsd_tree": True, "fsd_tree_depth": 3},
+                    {"fsd_draft": "lookup", "fsd_gamma_schedule": "heuristic", "fsd_draft_confidence": 0.1}):
+        stats = []
+        out = target.generate(prompt, custom_generate=fuzzyspec.hf.generate, fsd_method="sd", fsd_stats=stats,
+                              max_new_tokens=12, do_sample=False, **options)
+        assert out.tolist() == expected.tolist() and stats[0].target_forwards >= 1
+    with pytest.raises(TypeError, match="fsd_nonsense"):
+        fuzzyspec.hf.generate(target, prompt, fsd_draft="lookup", fsd_nonsense=1, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_streamers_get_the_prompt_the_tokens_and_the_end(target, draft, direct):
+    class Collect:
+        def __init__(self):
+            self.parts, self.ended = [], False
+
+        def put(self, value):
+            self.parts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    prompt = torch.tensor([PROMPTS[0]])
+    if direct:  # called directly, the usual streamer= argument works
+        out = fuzzyspec.hf.generate(target, prompt, draft_model=draft, fsd_method="sd", max_new_tokens=10,
+                                    do_sample=False, streamer=streamer)
+    else:  # through model.generate, transformers keeps streamer= to itself: fsd_streamer= it is
+        out = target.generate(prompt, custom_generate=fuzzyspec.hf.generate, draft_model=draft, fsd_method="sd",
+                              max_new_tokens=10, do_sample=False, fsd_streamer=streamer)
+    assert streamer.ended and streamer.parts[0] == PROMPTS[0]
+    assert sum(streamer.parts[1:], []) == out[0, len(PROMPTS[0]):].tolist()

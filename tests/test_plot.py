@@ -9,11 +9,11 @@ def test_pareto_front():
 
 
 def test_plot_writes_a_png(tmp_path):
-    rows = [{"rule": "ar", "method": "ar", "divergence": None, "threshold": None, "tokens_per_s": 40.0,
+    rows = [{"rule": "ar", "draft": "ar", "divergence": None, "threshold": None, "tokens_per_s": 40.0,
              "accuracy": 0.5},
-            {"rule": "sd", "method": "default", "divergence": None, "threshold": None, "tokens_per_s": 42.0,
+            {"rule": "sd", "draft": "default", "divergence": None, "threshold": None, "tokens_per_s": 42.0,
              "accuracy": 0.5}]
-    rows += [{"rule": "fsd", "method": "default", "divergence": "js", "threshold": t, "tokens_per_s": 40 + 50 * t,
+    rows += [{"rule": "fsd", "draft": "default", "divergence": "js", "threshold": t, "tokens_per_s": 40 + 50 * t,
               "accuracy": 0.5 - t / 4} for t in (0.1, 0.3, 0.5)]
     path = tmp_path / "curve.png"
     plot_curve(rows, path, "accuracy", title="test")

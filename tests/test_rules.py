@@ -116,3 +116,19 @@ def test_zero_drafts_is_a_plain_target_step():
     for name, rule in RULES.items():
         accepted, nxt = rule(tokens, p, q, torch.empty(8, 0), 0.3, True, g)
         assert (accepted == 0).all() and torch.equal(nxt, p[:, 0].argmax(-1)), name
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_sd_with_point_mass_drafts_emits_the_target_distribution(position):
+    """A deterministic drafter (q = None: certain of each token) keeps SD exact: accept x with p(x), else
+    draw from p without x (chi-square, 200k rows)."""
+    rows = 200_000
+    p1, _, g = random_dists(1, 2, seed=5)
+    p = p1.expand(rows, -1, -1).contiguous()
+    tokens = torch.tensor([[2, 4]]).expand(rows, -1).contiguous()
+    accepted, nxt = sd(tokens, p, None, None, 0.0, False, g)
+    out = torch.cat([tokens, nxt[:, None]], 1)
+    reached = accepted >= position
+    emitted = torch.where(accepted == position, nxt, out[:, position])[reached]
+    assert chi_square_p_value(torch.bincount(emitted, minlength=V), p1[0, position]) > 1e-3
+    assert 0 < (accepted == 0).float().mean() < 1

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from fuzzyspec.api import ModelPair
@@ -18,9 +19,10 @@ PROMPTS = str(Path(__file__).parent / "fixtures" / "prompts.jsonl")
 
 
 class Running:
-    def __init__(self, tiny_dirs, **options):
-        self.pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], "float32")
-        config = ServeConfig(**{"model_name": "tiny", "temperature": 0.0, "max_tokens": 16, **options})
+    def __init__(self, tiny_dirs, draft=None, **options):
+        self.pair = ModelPair.load(tiny_dirs["target"], draft or tiny_dirs["draft"], "float32")
+        config = ServeConfig(**{"model_name": "tiny", "defaults": {"temperature": 0.0, "max_new_tokens": 16},
+                                **options})
         self.server = Server(self.pair, config)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -150,10 +152,10 @@ def test_32_concurrent_streams_match_single_requests(server):
 
 @pytest.mark.parametrize("body, status, fragment", [
     ({"model": "tiny", "prompt": "x", "max_tokens": "lots"}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be at least 1"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be >= 1"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny"}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n = 1"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n is not supported"),
     ({"model": "tiny", "prompt": "x", "method": "beam"}, 400, "unknown method"),
     ({"model": "tiny", "prompt": "x", "fsd_threshold": -1}, 400, "threshold must be"),
     ({"model": "tiny", "prompt": "x", "fsd_divergence": "cosine"}, 400, "unknown divergence"),
@@ -257,3 +259,64 @@ def test_a_client_leaving_a_plain_request_frees_its_row(tiny_dirs):
         assert running.metric("active_requests")["fuzzyspec_active_requests"] == 0
     finally:
         running.stop()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"frobnicate": 1}, "frobnicate"),
+])
+def test_unsupported_fields_are_refused_by_name_never_ignored(server, body, param):
+    reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", **body})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+def test_fields_at_their_off_values_and_labels_are_accepted(server):
+    reply = httpx.post(server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": "x", "max_tokens": 2, "logprobs": None, "echo": False, "presence_penalty": 0,
+        "frequency_penalty": 0.0, "n": 1, "user": "someone", "metadata": {"a": "b"}})
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stream": "yes"}, "stream"), ({"method": ""}, "method"), ({"fsd_divergence": ""}, "fsd_divergence"),
+    ({"gamma": 2.5}, "gamma"), ({"tree": "on"}, "tree"), ({"max_tokens": -3}, "max_tokens"),
+    ({"fsd_threshold": -1}, "fsd_threshold"),
+])
+def test_wrong_types_and_empty_names_are_refused_with_their_field(server, body, param):
+    reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", **body})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("method, path, content, status", [
+    ("GET", "/v1/nothing", None, 404), ("GET", "/v1/completions", None, 405),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400),
+    ("POST", "/v1/completions", b'{"a":' * 5000 + b"1" + b"}" * 5000, 400),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * 1_100_000 + b'"}', 413),
+])
+def test_every_error_has_openais_shape(server, method, path, content, status):
+    reply = httpx.request(method, server.url + path, content=content, headers={"content-type": "application/json"})
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert server.client.completions.create(model="tiny", prompt="still here?", max_tokens=2).choices
+
+
+def test_eagle_heads_trees_and_prompt_lookup_are_served(tiny_dirs, tmp_path):
+    from fuzzyspec.eagle3 import make_eagle3
+    from fuzzyspec.vocab import DraftVocab
+    pair = ModelPair.load(tiny_dirs["target"], None, "float32")
+    make_eagle3(pair.target, DraftVocab(torch.arange(0, pair.vocab_size, 2), pair.vocab_size)).save(tmp_path / "head")
+    for draft, extra in [(f"eagle:{tmp_path / 'head'}", {"tree": True}), (f"eagle:{tmp_path / 'head'}", {}),
+                         ("lookup", {})]:
+        running = Running(tiny_dirs, draft=draft)
+        try:
+            for options in ({"method": "sd", **extra}, {"method": "fsd", "fsd_threshold": 0.5, **extra}):
+                done = httpx.post(running.url + "/v1/completions", json={
+                    "model": "tiny", "prompt": "w1 w2 w1 w2", "max_tokens": 8, "temperature": 0, **options})
+                assert done.status_code == 200, done.text
+                if options["method"] == "sd":
+                    alone = running.pair.generate("w1 w2 w1 w2", chat=False, method="ar", max_new_tokens=8)
+                    assert done.json()["choices"][0]["text"] == alone.text
+        finally:
+            running.stop()
