@@ -93,6 +93,8 @@ class DecodeConfig:
             raise ValueError(f"threshold must be a number >= 0 (inf allowed), got {self.threshold}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("tree_total_tokens", "tree_depth", "tree_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

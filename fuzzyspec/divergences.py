@@ -2,12 +2,15 @@
 
 Every function takes probability tensors ``p`` (target) and ``q`` (draft) of
 shape ``[..., V]`` and returns one non-negative float32 value per position,
-shape ``[...]``. Sums run in float32 whatever the input dtype.
+shape ``[...]``. ``divergence`` computes in float64 whatever the input dtype:
+in float32, JS and KL of two distinct but nearly equal distributions round to
+exactly 0, and a rule would take them for equal.
 
 Zeros: ``0 * log 0`` counts as 0. A term ``a * log(a / b)`` with ``a > 0`` and
-``b = 0`` is infinite in exact arithmetic; here ``b`` is floored at ``EPS``
-(1e-10), so such a term is large (about 23 nats per unit of mass) but finite.
-No NaN or inf ever comes out, so a threshold test never sees one.
+``b = 0`` is infinite in exact arithmetic; here such a zero ``b`` is replaced by
+``EPS`` (1e-10), so the term is large (about 23 nats per unit of mass) but
+finite. Only zeros are replaced: a tiny positive ``b`` keeps its exact value. No
+NaN or inf ever comes out, so a threshold test never sees one.
 
 Truncated forms (``topk_*``, ``topp_*``) keep the target's most likely tokens
 (the top ``top_k``, or the smallest set holding ``top_p`` of the target's mass)
@@ -26,13 +29,17 @@ EPS = 1e-10
 
 
 def _xlogy_ratio(a: Tensor, b: Tensor) -> Tensor:
-    """Elementwise a * log(a / b), 0 where a == 0, b floored at EPS."""
-    return torch.xlogy(a, a) - torch.xlogy(a, b.clamp_min(EPS))
+    """Elementwise a * log(a / b), 0 where a == 0; a zero b counts as EPS."""
+    return torch.xlogy(a, a) - torch.xlogy(a, torch.where(b > 0, b, EPS))
 
 
 def kl(a: Tensor, b: Tensor) -> Tensor:
-    """KL(a || b) = sum_v a(v) log(a(v) / b(v))."""
-    return _xlogy_ratio(a, b).sum(-1).clamp_min(0)
+    """KL(a || b) = sum_v a(v) log(a(v) / b(v)).
+
+    Summed as a log(a / b) - a + b, which equals it for normalised a and b and is non-negative term by
+    term: distributions that sum to 1 only up to rounding then give a tiny positive KL, never a
+    negative one clamped to 0."""
+    return (_xlogy_ratio(a, b) - a + b).sum(-1).clamp_min(0)
 
 
 def kl_pq(p: Tensor, q: Tensor) -> Tensor:
@@ -130,7 +137,7 @@ def _bucketed(p: Tensor, q: Tensor, top_k: int | None, top_p: float | None) -> t
 
 
 def _log(a: Tensor) -> Tensor:
-    return a.clamp_min(EPS).log()
+    return torch.where(a > 0, a, EPS).log()
 
 
 def _point_kl_pq(p: Tensor, at: Tensor) -> Tensor:
@@ -167,7 +174,7 @@ def point_divergence(p: Tensor, tokens: Tensor, kind: str = "js", *, top_k: int 
     """D(p, q) where q is certain of ``tokens`` ([...]): what a deterministic drafter (prompt lookup, a
     tree's top-k choice) proposes. Equals ``divergence(p, one_hot(tokens))`` without building the one-hot."""
     name = canonical_name(kind)
-    p = p.float()
+    p = p.double()
     if name.startswith(("topk_", "topp_")):
         # Bucketing keeps p's top tokens and pools the rest: the point mass lands on the drafted token's
         # kept bucket, or on the pooled one.
@@ -187,7 +194,7 @@ def point_divergence(p: Tensor, tokens: Tensor, kind: str = "js", *, top_k: int 
         tokens = torch.where(hit.any(-1), hit.long().argmax(-1), torch.full_like(tokens, p.shape[-1] - 1))
         name = name[5:]
     at = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return POINT[name](p, at)
+    return POINT[name](p, at).float()
 
 
 def divergence(p: Tensor, q: Tensor, kind: str = "js", *, top_k: int = 50, top_p: float = 0.9) -> Tensor:
@@ -197,7 +204,7 @@ def divergence(p: Tensor, q: Tensor, kind: str = "js", *, top_k: int = 50, top_p
     ``top_p`` set the truncation of the ``topk_*`` and ``topp_*`` forms.
     """
     name = canonical_name(kind)
-    p, q = p.float(), q.float()
+    p, q = p.double(), q.double()
     if name.startswith("topk_"):
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -208,4 +215,4 @@ def divergence(p: Tensor, q: Tensor, kind: str = "js", *, top_k: int = 50, top_p
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         p, q = _bucketed(p, q, None, top_p)
         name = name[5:]
-    return BASE[name](p, q)
+    return BASE[name](p, q).float()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -115,9 +116,10 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else \
             AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
+        # A truncated or corrupt file fails deep in a reader (struct.error from GGUF's): one line says so.
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise LoadError(f"could not load model {name!r}: {first_line}") from error
+        raise LoadError(f"could not load model {name!r} ({type(error).__name__}): {first_line}") from error
     if device != "auto":
         model.to(device)
     model.eval()

@@ -115,12 +115,14 @@ def fsd_hybrid(tokens: Tensor, p: Tensor, q: Tensor | None, d: Tensor, threshold
 
     At the first position n that fails both, emit a draw from SD's residual
     normalize(max(0, p_n - q_n)) (argmax p_n in greedy mode); bonus from p_{k+1}.
-    T = 0 gives exactly ``sd``: D = 0 only when p_i = q_i, where SD accepts anyway.
+    T = 0 gives exactly ``sd`` (the relaxed test is skipped there, so no rounding of D can matter).
     """
+    # At T = 0 the relaxation adds nothing by definition, not merely up to rounding: exactly sd.
+    relaxed = (d <= threshold) if threshold > 0 else torch.zeros_like(tokens, dtype=torch.bool)
     if greedy:
-        accepted = leading_accepted(_greedy_match(tokens, p) | (d <= threshold))
+        accepted = leading_accepted(_greedy_match(tokens, p) | relaxed)
         return accepted, _at(p, accepted).argmax(-1)
-    accepted = leading_accepted(_sd_test(tokens, p, q, generator) | (d <= threshold))
+    accepted = leading_accepted(_sd_test(tokens, p, q, generator) | relaxed)
     return accepted, sample(_residual(tokens, p, q, accepted), generator)
 
 

@@ -23,8 +23,8 @@ class Sampling:
     top_p: float = BY_NAME["top_p"].default
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -70,7 +70,7 @@ def walk(rule: str, tree: Draft, p: Tensor, d: Tensor | None, threshold: float, 
                         choice = kid
                         break
                     residual[tokens[kid]] = 0
-        if choice is None and rule != "sd" and float(d[row]) <= threshold:
+        if choice is None and rule != "sd" and float(d[row]) <= threshold and (threshold > 0 or rule == "fsd"):
             choice = max(kids, key=lambda kid: float(p_u[tokens[kid]]))
         if choice is None:
             if greedy:

@@ -218,3 +218,17 @@ def test_bench_methods_is_the_old_name_of_drafts(capsys, tmp_path, tiny_dirs):
             "--methods", "ar", "--limit", "1", "--max-new-tokens", "3", "--dtype", "float32", "--quiet"]
     assert main(argv) == 0
     assert "now --drafts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--temperature", "inf"], "finite number"), (["--seed", str(2**70)], "seed must be in"),
+])
+def test_out_of_range_numbers_are_one_line(capsys, argv, fragment):
+    fails_cleanly(capsys, ["generate", "hi", *argv], fragment)
+
+
+def test_a_truncated_gguf_is_one_line(capsys, tmp_path):
+    from fuzzyspec.loading import embedded_gguf
+    broken = tmp_path / "cut.gguf"
+    broken.write_bytes(embedded_gguf().read_bytes()[:100_000])
+    fails_cleanly(capsys, ["generate", "hi", "--target", str(broken), "--method", "ar"], "could not load model")

@@ -113,3 +113,19 @@ def test_a_point_mass_needs_no_one_hot(name):
     tokens = torch.tensor([0, 5, 39, int(p[3].argmax()), 7, int(p[5].argsort()[-2])])
     dense = divergence(p, torch.nn.functional.one_hot(tokens, 40).float(), name, top_k=5, top_p=0.8)
     torch.testing.assert_close(point_divergence(p, tokens, name, top_k=5, top_p=0.8), dense, rtol=1e-4, atol=1e-5)
+
+
+def test_distinct_but_nearly_equal_distributions_have_a_positive_divergence():
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(200, 50, generator=g).softmax(-1)
+    q = (p + 1e-7 * torch.randn(200, 50, generator=g)).clamp_min(0)
+    q = q / q.sum(-1, keepdim=True)
+    for name in ("js", "kl_pq", "kl_qp", "js_legacy", "tv", "hellinger"):
+        assert bool((divergence(p, q, name) > 0).all()), name
+
+
+def test_only_zeros_are_floored():
+    """A tiny positive denominator keeps its exact value: KL(q || p) for p = (1, 1e-15), q = (1/2, 1/2)."""
+    exact = 0.5 * math.log(0.5) + 0.5 * math.log(0.5 / 1e-15)
+    assert divergence(torch.tensor([1.0, 1e-15]), torch.tensor([0.5, 0.5]), "kl_div").item() == \
+        pytest.approx(exact, rel=1e-5)

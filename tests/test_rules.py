@@ -132,3 +132,14 @@ def test_sd_with_point_mass_drafts_emits_the_target_distribution(position):
     emitted = torch.where(accepted == position, nxt, out[:, position])[reached]
     assert chi_square_p_value(torch.bincount(emitted, minlength=V), p1[0, position]) > 1e-3
     assert 0 < (accepted == 0).float().mean() < 1
+
+
+def test_hybrid_at_zero_is_sd_even_where_d_rounds_to_zero():
+    """D of nearly equal distributions may round to 0; at T = 0 the hybrid must still be exactly sd."""
+    p, q, _ = random_dists(64, 3, seed=9)
+    tokens = draw(q, torch.Generator().manual_seed(1))
+    d = torch.zeros(64, 3)  # as if every D had rounded to zero
+    for greedy in (True, False):
+        exact = sd(tokens, p, q, d, 0.0, greedy, torch.Generator().manual_seed(2))
+        hybrid = fsd_hybrid(tokens, p, q, d, 0.0, greedy, torch.Generator().manual_seed(2))
+        assert all(torch.equal(a, b) for a, b in zip(exact, hybrid))
