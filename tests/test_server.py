@@ -320,3 +320,30 @@ def test_eagle_heads_trees_and_prompt_lookup_are_served(tiny_dirs, tmp_path):
                     assert done.json()["choices"][0]["text"] == alone.text
         finally:
             running.stop()
+
+
+def test_metrics_have_histograms_and_process_series(server):
+    server.client.completions.create(model="tiny", prompt="measure me", max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for series in ("fuzzyspec_request_latency_seconds_bucket", "fuzzyspec_time_to_first_token_seconds_count",
+                   "fuzzyspec_tokens_per_target_pass_sum", "fuzzyspec_batch_size_bucket",
+                   "fuzzyspec_requests_total", "fuzzyspec_queue_depth", "process_cpu_seconds_total"):
+        assert series in text, series
+    assert server.metric("request_latency_seconds_count")["fuzzyspec_request_latency_seconds_count"] >= 1
+
+
+def test_a_failing_step_is_logged_and_fails_only_its_requests(tiny_dirs, caplog):
+    running = Running(tiny_dirs)
+    try:
+        engine = running.server.engine
+
+        def broken():
+            raise RuntimeError("step exploded")
+        engine.decoder.step = broken
+        with caplog.at_level("ERROR", logger="fuzzyspec"):
+            reply = httpx.post(running.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+        assert reply.status_code == 500 and "step exploded" in reply.json()["error"]["message"]
+        assert any("decoding step failed" in r.message and r.exc_info for r in caplog.records)
+        assert httpx.get(running.url + "/health").status_code == 200
+    finally:
+        running.stop()
