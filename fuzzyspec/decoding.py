@@ -197,6 +197,10 @@ class Row:
     prompt_len: int
     gamma: int
     finish_reason: str | None = None  # "stop" (EOS or the callback) or "length" once finished
+    logprobs: int | None = None  # record each emitted token's log-probability and this many top alternatives
+    # (token, log p(token), [(token, log p), ...] the top ``logprobs``) per emitted token, under the row's
+    # sampling processing of the target's distribution
+    token_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -237,9 +241,16 @@ class Engine:
 
     @torch.inference_mode()
     def add(self, input_ids: Tensor, config: DecodeConfig, drafter: Drafter | None = None,
-            on_tokens: Callback | None = None) -> Row:
-        """Start decoding ``input_ids`` ([1, L]) under ``config``; it runs from the next ``step``."""
-        return self.add_many([input_ids], [config], [drafter], [on_tokens])[0]
+            on_tokens: Callback | None = None, logprobs: int | None = None) -> Row:
+        """Start decoding ``input_ids`` ([1, L]) under ``config``; it runs from the next ``step``. ``logprobs``:
+        record the target's log-probability of every emitted token and of its ``logprobs`` likeliest
+        alternatives (``Row.token_logprobs``)."""
+        row = self.add_many([input_ids], [config], [drafter], [on_tokens])[0]
+        if logprobs is not None:
+            if config.draft_only:
+                raise ValueError("fsd with T = inf runs the drafter alone: there are no target log-probabilities")
+            row.logprobs = logprobs
+        return row
 
     @torch.inference_mode()
     def add_many(self, prompts: list[Tensor], configs: list[DecodeConfig],
@@ -354,6 +365,12 @@ class Engine:
             if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
                 row.gamma = row.gamma + 2 if len(verdict.path) == verdict.proposed else max(1, row.gamma - 1)
             new = (draft.tokens[verdict.path].tolist() if verdict.path else []) + [verdict.token]
+            if row.logprobs is not None:  # token i came from the target's distribution at kept column i
+                log_p = row.config.sampling.probs(logits[b, kept]).clamp_min(1e-45).log()
+                top = log_p.topk(row.logprobs) if row.logprobs else None
+                row.token_logprobs += [(token, float(log_p[i, token]), list(zip(top.indices[i].tolist(),
+                                                                                 top.values[i].tolist())) if top else [])
+                                       for i, token in enumerate(new)]
             self._emit(row, new)
         self.cache.crop_unused()
 
@@ -385,6 +402,8 @@ class Engine:
             row.stats.first_token_s = time.perf_counter() - row.started
         added = torch.tensor([new], dtype=torch.long, device=self.device)
         row.sequence = torch.cat([row.sequence, added], 1)
+        if row.logprobs is not None:  # drop the entries of tokens cut off here
+            del row.token_logprobs[row.generated:]
         stop = row.on_tokens is not None and bool(row.on_tokens(added))
         if cut is not None or stop:
             row.finish_reason = "stop"

@@ -43,11 +43,15 @@ class Request:
     input_ids: torch.Tensor          # [1, L]
     config: DecodeConfig
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None      # record the tokens' log-probabilities and this many top alternatives
+    prompt_logprobs: bool = False    # and the prompt's (for echo)
     deadline: float = float("inf")   # time.monotonic() after which it is abandoned
     id: int = field(default_factory=itertools.count().__next__)
-    events: queue.Queue = field(default_factory=queue.Queue)  # ("text", str) ... then ("done", self)
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("text", (str, logprobs)) ... then ("done", self)
     text: str = ""
     tokens: list[int] = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)   # as Row.token_logprobs
+    prompt_token_logprobs: list = field(default_factory=list)  # the same for prompt tokens 1 .. L - 1
     stats: Stats | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "timeout"
     timed_out: bool = False
@@ -190,21 +194,38 @@ class Scheduler:
                 continue
             stream = TextStream(self.tokenizer, request.stop)
             try:
+                if request.prompt_logprobs:
+                    request.prompt_token_logprobs = self._prompt_logprobs(request)
+                owner: list[Row] = []  # the row, once made: its callback reads its log-probabilities
                 row = self.decoder.add(request.input_ids, request.config, self.make_drafter(request.config),
-                                       self._callback(request, stream))
+                                       self._callback(request, stream, owner), request.logprobs)
+                owner.append(row)
             except Exception as error:
                 self._error(request, error)
                 continue
             self.counters.prompt_tokens += request.input_ids.shape[1]
             self.running[id(row)] = (request, row, stream)
 
-    def _callback(self, request: Request, stream: TextStream) -> Callable[[torch.Tensor], bool]:
+    @torch.inference_mode()
+    def _prompt_logprobs(self, request: Request) -> list:
+        """The target's log-probabilities of the prompt's tokens after the first, with top alternatives."""
+        logits = self.decoder.target(input_ids=request.input_ids.to(self.decoder.device)).logits[0, :-1]
+        log_p = request.config.sampling.probs(logits[:, : self.decoder.vocab_size]).clamp_min(1e-45).log()
+        tokens = request.input_ids[0, 1:].tolist()
+        top = log_p.topk(request.logprobs) if request.logprobs else None
+        return [(token, float(log_p[i, token]), list(zip(top.indices[i].tolist(), top.values[i].tolist()))
+                 if top else []) for i, token in enumerate(tokens)]
+
+    def _callback(self, request: Request, stream: TextStream, owner: list[Row]) -> Callable[[torch.Tensor], bool]:
         def on_tokens(new: torch.Tensor) -> bool:
             if request.first_token_at is None:
                 request.first_token_at = time.monotonic()
             delta = stream.push(new[0].tolist())
-            if delta:
-                request.events.put(("text", delta))
+            row = owner[0] if owner else None
+            entries = row.token_logprobs[row.generated - new.shape[1]:] if row is not None and row.logprobs \
+                is not None else []
+            if delta or entries:
+                request.events.put(("text", (delta, entries)))
             if time.monotonic() > request.deadline:
                 request.timed_out = True
             return stream.stopped or request.cancelled or request.timed_out
@@ -214,8 +235,9 @@ class Scheduler:
         request, _, stream = self.running.pop(id(row))
         tail = stream.finish()
         if tail:
-            request.events.put(("text", tail))
+            request.events.put(("text", (tail, [])))
         request.text, request.tokens, request.stats = stream.text, row.tokens, row.stats
+        request.token_logprobs = row.token_logprobs
         # A row that ended on its own (EOS, stop string, length) keeps that reason even if its
         # deadline passed or its client left in the same step.
         ended = row.finish_reason == "length" or stream.stopped or (

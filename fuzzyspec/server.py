@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -42,11 +43,11 @@ from .rules import FUZZY
 REQUEST_OPTIONS = {option.request: option for option in OPTIONS if option.request}
 # OpenAI request fields this server does not implement: refused (HTTP 400 naming them) unless they hold the
 # value that means "off", so nothing is ever accepted and silently ignored.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None,),
+UNSUPPORTED = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None,),
                "response_format": (None, {"type": "text"}), "tools": (None,), "tool_choice": (None, "none"),
                "functions": (None,), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
-               "n": (None, 1), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
+               "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
+MAX_CHOICES = 16  # n at most
 # Fields that only label a request (OpenAI clients send them): accepted, and nothing depends on them.
 LABELS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort"}
 SERVER_DEFAULTS = {"temperature": 1.0, "max_new_tokens": 256}  # OpenAI's temperature; a length when none is asked
@@ -100,6 +101,7 @@ class _Base(BaseModel):
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     target_acceptance: float | None = None
+    n: StrictInt = 1
 
 
 _Options = create_model("_Options", __base__=_Base, **{
@@ -107,7 +109,9 @@ _Options = create_model("_Options", __base__=_Base, **{
 
 
 class CompletionBody(_Options):
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None  # how many top alternatives to report per token (0-5)
+    echo: StrictBool = False
 
 
 class ChatMessage(BaseModel):
@@ -119,6 +123,8 @@ class ChatMessage(BaseModel):
 class ChatBody(_Options):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None  # 0-20, with logprobs
 
 
 def _param_of(message: str) -> str | None:
@@ -215,16 +221,49 @@ class Server:
                            "target_acceptance", "server_error") from None
         return dataclasses.replace(config, threshold=found["threshold"])
 
-    def _ids(self, prompt: str | list[dict], chat: bool, max_tokens: int) -> Any:
-        try:
-            ids = self.pair.encode(prompt, chat=chat)
-        except Exception as error:  # an empty prompt, or messages the chat template rejects
-            raise APIError(400, f"{error}", "invalid_value", "messages" if chat else "prompt") from None
+    def _ids(self, prompt: str | list[dict] | list[int], chat: bool, max_tokens: int) -> Any:
+        where = "messages" if chat else "prompt"
+        if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):  # token ids
+            if not prompt:
+                raise APIError(400, "a token-id prompt is empty", "invalid_value", where)
+            if not all(0 <= token < self.pair.vocab_size for token in prompt):
+                raise APIError(400, f"token ids must be in [0, {self.pair.vocab_size})", "invalid_value", where)
+            ids = torch.tensor([prompt], device=self.pair.target.get_input_embeddings().weight.device)
+        else:
+            try:
+                ids = self.pair.encode(prompt, chat=chat)
+            except Exception as error:  # an empty prompt, or messages the chat template rejects
+                raise APIError(400, f"{error}", "invalid_value", where) from None
         if ids.shape[1] + max_tokens > self.context:
             raise APIError(400, f"the prompt ({ids.shape[1]} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                f"model's context of {self.context} tokens", "context_length_exceeded",
-                           "messages" if chat else "prompt")
+                                f"model's context of {self.context} tokens", "context_length_exceeded", where)
         return ids
+
+    @staticmethod
+    def _prompts(body: _Options, chat: bool) -> list:
+        """Each prompt of the request: chat messages, text, or token ids (a completion may send several)."""
+        if chat:
+            return [[{"role": m.role if m.role != "developer" else "system", "content": _text_of(m.content)}
+                     for m in body.messages]]
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(token, int) for token in prompt)):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "the prompt list is empty", "invalid_value", "prompt")
+        return list(prompt)
+
+    @staticmethod
+    def _logprobs(body: _Options, chat: bool) -> int | None:
+        """How many alternatives to report per token, or None when log-probabilities are not asked for."""
+        if chat:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
+            if body.logprobs and not 0 <= (body.top_logprobs or 0) <= 20:
+                raise APIError(400, "top_logprobs must be in [0, 20]", "invalid_value", "top_logprobs")
+            return (body.top_logprobs or 0) if body.logprobs else None
+        if body.logprobs is not None and not 0 <= body.logprobs <= 5:
+            raise APIError(400, "logprobs must be in [0, 5]", "invalid_value", "logprobs")
+        return body.logprobs
 
     # -- running it ----------------------------------------------------------------------------------
     async def handle(self, http: Request, body: _Options, chat: bool) -> Response:
@@ -232,95 +271,116 @@ class Server:
         max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None \
             else body.max_tokens
         config = self._decode_config(body, max_tokens)
-        if chat:
-            prompt: Any = [{"role": m.role if m.role != "developer" else "system", "content": _text_of(m.content)}
-                           for m in body.messages]
-        else:
-            if isinstance(body.prompt, list):
-                if len(body.prompt) != 1:
-                    raise APIError(400, "send one prompt per request", "unsupported_value", "prompt")
-                body.prompt = body.prompt[0]
-            prompt = body.prompt
-        # Tokenizing a long prompt takes a while: off the event loop, so no stream stalls meanwhile.
-        ids = await asyncio.get_running_loop().run_in_executor(None, self._ids, prompt, chat, config.max_new_tokens)
-        config = await self._threshold(body, config)
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}]", "invalid_value", "n")
+        logprobs = self._logprobs(body, chat)
+        if logprobs is not None and config.draft_only:
+            raise APIError(400, "fsd with an infinite threshold runs the drafter alone: it has no target "
+                                "log-probabilities", "invalid_value", "logprobs")
+        echo = not chat and body.echo
         loop = asyncio.get_running_loop()
+        # Tokenizing a long prompt takes a while: off the event loop, so no stream stalls meanwhile.
+        prompts = [await loop.run_in_executor(None, self._ids, prompt, chat, config.max_new_tokens)
+                   for prompt in self._prompts(body, chat)]
+        config = await self._threshold(body, config)
+        stop = tuple([body.stop] if isinstance(body.stop, str) else list(body.stop or []))
         events: asyncio.Queue = asyncio.Queue()
-        request = EngineRequest(ids, config, tuple(stop), deadline=deadline, events=_ThreadSafe(loop, events))
+        requests = []
+        for index in range(len(prompts) * body.n):
+            ids, sample = prompts[index // body.n], index % body.n
+            # The n choices of one prompt are n draws: with a seed, seed, seed + 1, ...
+            choice_config = config if sample == 0 or config.seed is None else \
+                dataclasses.replace(config, seed=config.seed + sample)
+            requests.append(EngineRequest(ids, choice_config, stop, logprobs=logprobs,
+                                          prompt_logprobs=echo and logprobs is not None, deadline=deadline,
+                                          events=_ThreadSafe(loop, events, index)))
         if await http.is_disconnected():  # gone while the request was being prepared: nothing to run
             raise APIError(400, "the client disconnected", "client_disconnected")
         try:
-            self.engine.submit(request)
+            for request in requests:
+                self.engine.submit(request)
         except QueueFull as error:
+            for request in requests:
+                request.cancel()
             raise APIError(429, f"the server is busy ({error}); retry later", "queue_full", kind="rate_limit_error") \
                 from None
         except Unavailable as error:
             raise APIError(503, str(error), "unavailable", kind="server_error") from None
-        reply = _Reply(chat, self.config.model_name, ids.shape[1], config)
+        reply = _Reply(chat, self.config.model_name, [ids.shape[1] for ids in prompts], body.n, config,
+                       self.pair.tokenizer, echo)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._stream(http, request, events, reply, usage),
+            return StreamingResponse(self._stream(http, requests, events, reply, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        async for kind, payload in self._events(http, request, events):
+        async for _, kind, payload in self._events(http, requests, events):
             if kind == "error":
                 raise APIError(500, payload, "engine_error", kind="server_error")
-        if request.finish_reason == "timeout":
+        if any(request.finish_reason == "timeout" for request in requests):
             raise APIError(504, f"the request ran out of time ({self.config.request_timeout:g} s)", "timeout",
                            kind="server_error")
-        return JSONResponse(reply.full(request))
+        return JSONResponse(reply.full(requests))
 
-    async def _events(self, http: Request, request: EngineRequest, events: asyncio.Queue
-                      ) -> AsyncIterator[tuple[str, Any]]:
-        """The engine's events for one request until it is done. Twice a second (whether or not events
-        come) it checks that the client is still there and that a queued request is not overdue, and
-        cancels the request if not."""
+    async def _events(self, http: Request, requests: list[EngineRequest], events: asyncio.Queue
+                      ) -> AsyncIterator[tuple[int, str, Any]]:
+        """The engine's events (choice index, kind, payload) until every request is done. Twice a second
+        (whether or not events come) it checks that the client is still there and that no queued request is
+        overdue, and cancels them if not."""
         checked = time.monotonic()
+        open_ = set(range(len(requests)))
         try:
-            while True:
+            while open_:
                 try:
-                    kind, payload = await asyncio.wait_for(events.get(), timeout=0.5)
+                    index, kind, payload = await asyncio.wait_for(events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     kind = None
                 if time.monotonic() - checked >= 0.5:
                     checked = time.monotonic()
                     if await http.is_disconnected():
-                        request.cancel()
+                        for request in requests:
+                            request.cancel()
                         return
-                    if checked > request.deadline + 1.0:  # the engine did not get to it in time
-                        request.timed_out = True
-                        request.cancel()
-                        request.finish_reason = "timeout"
+                    if checked > requests[0].deadline + 1.0:  # the engine did not get to them in time
+                        for request in requests:
+                            if request.finish_reason is None:
+                                request.timed_out = True
+                                request.cancel()
+                                request.finish_reason = "timeout"
                         return
                 if kind is None:
                     continue
-                yield kind, payload
+                yield index, kind, payload
                 if kind in ("done", "error"):
-                    return
+                    open_.discard(index)
+                    if kind == "error":
+                        return
         finally:
-            if request.finish_reason is None:
-                request.cancel()  # the handler was cancelled (the client went away): free the row
+            for request in requests:
+                if request.finish_reason is None:
+                    request.cancel()  # the handler was cancelled (the client went away): free the rows
 
-    async def _stream(self, http: Request, request: EngineRequest, events: asyncio.Queue, reply: "_Reply",
+    async def _stream(self, http: Request, requests: list[EngineRequest], events: asyncio.Queue, reply: "_Reply",
                       usage: bool) -> AsyncIterator[bytes]:
         try:
-            yield _sse(reply.chunk(role=True))
-            async for kind, payload in self._events(http, request, events):
+            for index in range(len(requests)):
+                yield _sse(reply.chunk(index, role=True, text=reply.echoed(index) or None))
+            async for index, kind, payload in self._events(http, requests, events):
                 if kind == "text":
-                    yield _sse(reply.chunk(text=payload))
+                    text, entries = payload
+                    yield _sse(reply.chunk(index, text=text, entries=entries))
                 elif kind == "error":
                     yield _sse({"error": {"message": payload, "type": "server_error", "code": "engine_error"}})
-            if request.finish_reason == "timeout":
+                elif kind == "done" and requests[index].finish_reason in ("stop", "length"):
+                    yield _sse(reply.chunk(index, finish_reason=requests[index].finish_reason))
+            if any(request.finish_reason == "timeout" for request in requests):
                 yield _sse({"error": {"message": f"the request ran out of time ({self.config.request_timeout:g} s)",
                                       "type": "server_error", "code": "timeout"}})
-            elif request.finish_reason in ("stop", "length"):
-                yield _sse(reply.chunk(finish_reason=request.finish_reason))
-                if usage:
-                    yield _sse(reply.chunk(usage=reply.usage(request)))
+            elif usage and all(request.finish_reason in ("stop", "length") for request in requests):
+                yield _sse(reply.chunk(usage=reply.usage(requests)))
             yield b"data: [DONE]\n\n"
         finally:  # also when the stream is closed before its first chunk went out
-            if request.finish_reason is None:
-                request.cancel()
+            for request in requests:
+                if request.finish_reason is None:
+                    request.cancel()
 
     # -- metrics ---------------------------------------------------------------------------------------
     def metrics(self) -> bytes:
@@ -374,60 +434,102 @@ def _histograms(registry: CollectorRegistry) -> dict[str, Histogram]:
 
 
 class _ThreadSafe:
-    """Lets the engine thread put events on an asyncio queue."""
+    """Lets the engine thread put one request's events, tagged with its choice index, on an asyncio queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
-        self.loop, self.events = loop, events
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int = 0) -> None:
+        self.loop, self.events, self.index = loop, events, index
 
-    def put(self, item: Any) -> None:
+    def put(self, item: tuple[str, Any]) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, *item))
         except RuntimeError:  # the loop has closed: nobody is listening any more
             pass
 
 
 class _Reply:
-    """Builds the OpenAI-shaped bodies for one request."""
+    """Builds the OpenAI-shaped bodies of one request: its choices (prompts x n), log-probabilities, usage."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, config: Any) -> None:
-        self.chat, self.model, self.prompt_tokens, self.config = chat, model, prompt_tokens, config
+    def __init__(self, chat: bool, model: str, prompt_tokens: list[int], n: int, config: Any, tokenizer: Any,
+                 echo: bool = False) -> None:
+        self.chat, self.model, self.prompt_tokens, self.n, self.config = chat, model, prompt_tokens, n, config
+        self.tokenizer, self.echo = tokenizer, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.prompt_texts: dict[int, str] = {}
 
-    def usage(self, request: EngineRequest) -> dict:
-        n = len(request.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+    def echoed(self, index: int, request: EngineRequest | None = None) -> str:
+        """The prompt text a completion echoes (empty without echo)."""
+        return self.prompt_texts.get(index, "") if self.echo else ""
 
-    def _decoding(self, request: EngineRequest) -> dict:
-        stats = request.stats
+    def usage(self, requests: list[EngineRequest]) -> dict:
+        completion = sum(len(request.tokens) for request in requests)
+        prompt = sum(self.prompt_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _decoding(self, requests: list[EngineRequest]) -> dict:
+        stats = [r.stats for r in requests if r.stats is not None]
+        proposed, accepted = sum(s.proposed for s in stats), sum(s.accepted for s in stats)
+        tokens, forwards = sum(s.new_tokens for s in stats), sum(s.target_forwards for s in stats)
         threshold = self.config.threshold  # JSON has no infinity: an infinite T is reported as "inf"
         return {"method": self.config.method, "divergence": self.config.divergence,
                 "threshold": threshold if math.isfinite(threshold) else "inf", "gamma": self.config.gamma,
-                "acceptance_rate": stats.acceptance_rate if stats else None,
-                "mean_accepted": stats.mean_accepted if stats else None,
-                "target_forwards": stats.target_forwards if stats else 0}
+                "acceptance_rate": accepted / proposed if proposed else None,
+                "mean_accepted": tokens / forwards if forwards else None, "target_forwards": forwards}
 
-    def full(self, request: EngineRequest) -> dict:
+    def _token(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def logprobs(self, entries: list, prompt_entries: list | None = None, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for (token, logprob, top) entries; for a completion ``prompt_entries``
+        come first (echo), the prompt's first token with no log-probability."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": request.text},
-                      "finish_reason": request.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": request.text, "finish_reason": request.finish_reason, "logprobs": None}
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(request),
-                "fuzzyspec": self._decoding(request)}
+            return {"content": [{"token": self._token(t), "logprob": lp, "bytes": list(self._token(t).encode()),
+                                 "top_logprobs": [{"token": self._token(a), "logprob": alp,
+                                                   "bytes": list(self._token(a).encode())} for a, alp in top]}
+                                for t, lp, top in entries]}
+        tokens, values, tops, offsets = [], [], [], []
+        for token, value, top in (prompt_entries or []) + entries:
+            text = self._token(token)
+            tokens.append(text)
+            values.append(value)
+            tops.append({self._token(a): alp for a, alp in top} if top or value is not None else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    def chunk(self, text: str | None = None, role: bool = False, finish_reason: str | None = None,
-              usage: dict | None = None) -> dict:
+    def _prompt_entries(self, request: EngineRequest) -> list:
+        first = int(request.input_ids[0, 0])
+        return [(first, None, [])] + list(request.prompt_token_logprobs)
+
+    def full(self, requests: list[EngineRequest]) -> dict:
+        choices = []
+        for index, request in enumerate(requests):
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = self.logprobs(request.token_logprobs, self._prompt_entries(request) if self.echo else None)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": request.text},
+                                "finish_reason": request.finish_reason, "logprobs": logprobs})
+            else:
+                prompt = self.tokenizer.decode(request.input_ids[0].tolist()) if self.echo else ""
+                choices.append({"index": index, "text": prompt + request.text, "finish_reason": request.finish_reason,
+                                "logprobs": logprobs})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(requests),
+                "fuzzyspec": self._decoding(requests)}
+
+    def chunk(self, index: int = 0, text: str | None = None, role: bool = False, finish_reason: str | None = None,
+              usage: dict | None = None, entries: list | None = None) -> dict:
+        logprobs = self.logprobs(entries) if entries else None
         if usage is not None:
             choices: list = []
         elif self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else {}
-            if text is not None:
+            if text is not None and not role:
                 delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+            choices = [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
         else:
-            choices = [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
+            choices = [{"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}]
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
@@ -514,10 +616,19 @@ def create_app(server: Server) -> FastAPI:
     async def chat_completions(http: Request, body: ChatBody) -> Response:
         return await server.handle(http, body, chat=True)
 
+    def model_card() -> dict:
+        return {"id": server.config.model_name, "object": "model", "created": server.created, "owned_by": "fuzzyspec"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": server.config.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "fuzzyspec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != server.config.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{server.config.model_name!r}", "model_not_found", "model")
+        return model_card()
 
     @app.get("/health")
     async def health() -> JSONResponse:

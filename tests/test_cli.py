@@ -25,7 +25,7 @@ def fails_cleanly(capsys, argv, *fragments):
     (["--gamma", "0"], ["gamma must be >= 1"]),
     (["--max-new-tokens", "0"], ["max_new_tokens must be >= 1"]),
     (["--method", "beam"], ["invalid choice"]),
-    (["--temperature", "-1"], ["temperature must be >= 0"]),
+    (["--temperature", "-1"], ["temperature must be a finite number >= 0"]),
     (["--top-p", "0"], ["top_p must be in (0, 1]"]),
     (["--tree-depth", "0"], ["tree_depth must be >= 1"]),
 ])

@@ -155,7 +155,7 @@ def test_32_concurrent_streams_match_single_requests(server):
     ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be >= 1"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny"}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n is not supported"),
+    ({"model": "tiny", "prompt": "x", "n": 99}, 400, "n must be in"),
     ({"model": "tiny", "prompt": "x", "method": "beam"}, 400, "unknown method"),
     ({"model": "tiny", "prompt": "x", "fsd_threshold": -1}, 400, "threshold must be"),
     ({"model": "tiny", "prompt": "x", "fsd_divergence": "cosine"}, 400, "unknown divergence"),
@@ -262,7 +262,7 @@ def test_a_client_leaving_a_plain_request_frees_its_row(tiny_dirs):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": 9}, "logprobs"), ({"best_of": 3}, "best_of"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"5": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"frobnicate": 1}, "frobnicate"),
 ])
@@ -347,3 +347,61 @@ def test_a_failing_step_is_logged_and_fails_only_its_requests(tiny_dirs, caplog)
         assert httpx.get(running.url + "/health").status_code == 200
     finally:
         running.stop()
+
+
+def target_logprobs(pair, prompt_ids, tokens):
+    """The target's own log-probabilities of ``tokens`` after ``prompt_ids`` (one plain forward)."""
+    with torch.no_grad():
+        sequence = torch.tensor([list(prompt_ids) + list(tokens)])
+        log_p = pair.target(sequence).logits[0].float().log_softmax(-1)
+    return [float(log_p[len(prompt_ids) - 1 + i, token]) for i, token in enumerate(tokens)]
+
+
+def test_completion_logprobs_are_the_targets_and_echo_adds_the_prompt(server):
+    ids = server.pair.tokenizer("w1 w2 w3", return_tensors=None)["input_ids"]
+    done = httpx.post(server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True}).json()
+    choice = done["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + done["usage"]["completion_tokens"]
+    assert lp["token_logprobs"][0] is None and len(lp["top_logprobs"][1]) == 2
+    generated = server.pair.tokenizer(choice["text"], return_tensors=None)["input_ids"][len(ids):]
+    expected = target_logprobs(server.pair, ids, generated)
+    assert lp["token_logprobs"][len(ids):] == pytest.approx(expected, abs=1e-3)
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(target_logprobs(server.pair, ids[:1], ids[1:]), abs=1e-3)
+    assert choice["text"].startswith(server.pair.tokenizer.decode(ids))
+
+
+def test_chat_logprobs_have_openais_shape(server):
+    done = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    streamed = list(server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, logprobs=True,
+        stream=True))
+    tokens = [c.token for chunk in streamed for choice in chunk.choices if choice.logprobs
+              for c in choice.logprobs.content]
+    assert tokens == [c.token for c in content]
+
+
+def test_lists_of_prompts_token_ids_and_n_choices(server):
+    done = server.client.completions.create(model="tiny", prompt=["w1 w2", "w3 w4 w5"], max_tokens=4, n=2,
+                                            temperature=0.9, seed=5)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    alone = server.client.completions.create(model="tiny", prompt="w3 w4 w5", max_tokens=4, temperature=0.9, seed=5)
+    assert done.choices[2].text == alone.choices[0].text  # the first draw of the second prompt, same seed
+    greedy = server.client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0)
+    assert len(greedy.choices) == 2 and greedy.usage.prompt_tokens == 5
+    streamed = list(server.client.completions.create(model="tiny", prompt=["w1", "w2"], max_tokens=3, temperature=0,
+                                                     stream=True))
+    assert {c.index for chunk in streamed for c in chunk.choices} == {0, 1}
+    bad = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": [5, 10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
+def test_a_model_can_be_read_by_id(server):
+    assert httpx.get(server.url + "/v1/models/tiny").json()["id"] == "tiny"
+    missing = httpx.get(server.url + "/v1/models/gpt-9")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
