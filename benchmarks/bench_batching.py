@@ -23,7 +23,7 @@ import time
 import torch
 
 from fuzzyspec.api import ModelPair
-from fuzzyspec.decoding import DecodeConfig, Engine, decode
+from fuzzyspec.core.decoding import DecodeConfig, Engine, decode
 from fuzzyspec.tasks import get_task
 
 

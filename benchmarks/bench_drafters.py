@@ -31,10 +31,10 @@ from transformers import DynamicCache
 
 from fuzzyspec.api import DEFAULT_JOB, ModelPair, make_config
 from fuzzyspec.data import prompts, read_sharegpt, split
-from fuzzyspec.decoding import target_features
-from fuzzyspec.kvcache import crop_to
+from fuzzyspec.core.decoding import target_features
+from fuzzyspec.core.kvcache import crop_to
 from fuzzyspec.loading import embedded_gguf
-from fuzzyspec.sampling import Sampling
+from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.quality import first_difference, target_nll
 from fuzzyspec.tasks import FreeForm
 

@@ -8,10 +8,10 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "ModelPair": "api", "Result": "api", "make_config": "api",
-    "DecodeConfig": "decoding", "Engine": "decoding", "decode": "decoding",
-    "divergence": "divergences", "Budget": "drafters", "Draft": "drafters", "Drafter": "drafters",
-    "ModelDrafter": "drafters", "LookupDrafter": "lookup", "load_drafter": "registry", "RULES": "rules",
-    "Sampling": "sampling", "Stats": "stats",
+    "DecodeConfig": "core.decoding", "Engine": "core.decoding", "decode": "core.decoding",
+    "divergence": "core.divergences", "Budget": "core.draft", "Draft": "core.draft", "Drafter": "core.draft",
+    "ModelDrafter": "drafters", "LookupDrafter": "lookup", "load_drafter": "registry", "RULES": "core.rules",
+    "Sampling": "core.sampling", "Stats": "core.stats",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -9,14 +9,14 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .decoding import DecodeConfig, decode
+from .core.decoding import DecodeConfig, decode
 from .drafters import Drafter
 from .hf import eos_token_ids
 from .loading import load_model, shared_vocab_size
 from .options import DEFAULT_JOB
 from .registry import DEFAULT_DRAFT, DrafterSource, load_drafter
-from .sampling import Sampling
-from .stats import Stats
+from .core.sampling import Sampling
+from .core.stats import Stats
 from .text import TextStream
 
 SAMPLING_KEYS = {f.name for f in dataclasses.fields(Sampling)}

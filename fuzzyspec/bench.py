@@ -25,11 +25,11 @@ from tqdm.auto import tqdm
 
 from .api import ModelPair, Result, eos_ids, make_config
 from .calibrate import calibrate_pair
-from .decoding import DecodeConfig
+from .core.decoding import DecodeConfig
 from .loading import EMBEDDED
 from .options import BY_NAME
 from .quality import greedy_agreement, target_nll
-from .rules import FUZZY
+from .core.rules import FUZZY
 from .tasks import Example, Task, get_task
 
 TREE_SUFFIX = "+tree"  # a drafter "eagle+tree" drafts EAGLE-2 trees with the head "eagle"

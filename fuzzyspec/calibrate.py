@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .decoding import DecodeConfig
-from .rules import FUZZY
+from .core.decoding import DecodeConfig
+from .core.rules import FUZZY
 
 if TYPE_CHECKING:
     from .api import ModelPair

@@ -317,7 +317,7 @@ def _check_context(pair, prompt: str, chat: bool, max_new_tokens: int) -> None:
 def _calibrate(args: argparse.Namespace) -> None:
     from .api import ModelPair, eos_ids, make_config
     from .calibrate import calibrate_pair, check_request
-    from .divergences import canonical_name
+    from .core.divergences import canonical_name
     from .tasks import get_task
 
     objective, value = ("acceptance", args.acceptance) if args.acceptance is not None else \
@@ -352,7 +352,7 @@ def _bench(args: argparse.Namespace) -> None:
         raise UsageError("bench needs the [bench] extra: pip install 'fuzzyspec[bench]' (matplotlib is missing)")
     from .bench import Settings, Sweep, plan
     from .calibrate import check_request
-    from .divergences import canonical_name
+    from .core.divergences import canonical_name
 
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")

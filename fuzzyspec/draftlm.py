@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from .vocab import DraftVocab, reduced_lm_head
+from .core.vocab import DraftVocab, reduced_lm_head
 
 SHARED = ("embed_tokens", "lm_head")
 

@@ -34,9 +34,9 @@ from transformers.masking_utils import create_causal_mask
 from .draftlm import cut_layers
 from .drafters import BaseDrafter, Budget, Draft, common_prefix, draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
-from .kvcache import crop_to, model_mask
-from .sampling import Sampling
-from .vocab import DraftVocab, reduced_lm_head
+from .core.kvcache import crop_to, model_mask
+from .core.sampling import Sampling
+from .core.vocab import DraftVocab, reduced_lm_head
 
 _MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
 

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from .draftlm import cut_layers
-from .vocab import DraftVocab, reduced_lm_head
+from .core.vocab import DraftVocab, reduced_lm_head
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -15,7 +15,7 @@ model decodes with FSD through its usual ``generate`` call::
         fsd_method="fsd",                   # "ar", "sd", "fsd" or "fsd-hybrid"
         fsd_threshold=0.4,
         fsd_divergence="js",
-        fsd_stats=stats,                    # receives a fuzzyspec.stats.Stats
+        fsd_stats=stats,                    # receives a fuzzyspec.core.stats.Stats
         max_new_tokens=64, do_sample=True, temperature=0.6, top_p=0.9,
     )
     text = tokenizer.decode(out[0, input_ids.shape[1]:])
@@ -45,13 +45,13 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .decoding import DecodeConfig, decode
+from .core.decoding import DecodeConfig, decode
 from .drafters import ModelDrafter
 from .loading import logit_width
 from .options import METHODS, OPTIONS
 from .registry import load_drafter
-from .sampling import Sampling
-from .stats import Stats
+from .core.sampling import Sampling
+from .core.stats import Stats
 
 # Logits processors that Sampling reproduces (the others are ignored with a warning).
 SAMPLING_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .drafters import BaseDrafter, Budget, Draft
-from .sampling import Sampling
+from .core.sampling import Sampling
 
 
 class LookupDrafter(BaseDrafter):

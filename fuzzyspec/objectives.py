@@ -30,7 +30,7 @@ from .draftlm import make_draft_lm, own_weights, save_draft_lm
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head, make_eagle3
 from .options import LOSSES
-from .vocab import DraftVocab
+from .core.vocab import DraftVocab
 
 
 

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from .decoding import DecodeConfig, Engine, Row
+from .core.decoding import DecodeConfig, Engine, Row
 from .drafters import Drafter
-from .stats import Stats
+from .core.stats import Stats
 from .text import TextStream
 
 

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from .data import TokenDataset
-from .decoding import DecodeConfig, Engine, Row
-from .sampling import Sampling
+from .core.decoding import DecodeConfig, Engine, Row
+from .core.sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from .calibrate import cached_calibration
 from .options import BY_NAME, OPTIONS
 from .scheduler import QueueFull, Scheduler, Unavailable
 from .scheduler import Request as EngineRequest
-from .rules import FUZZY
+from .core.rules import FUZZY
 
 
 # Decoding options a request may set, by request field (``options.OPTIONS`` declares them).

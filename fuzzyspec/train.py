@@ -45,7 +45,7 @@ from .hf import eos_token_ids
 from .loading import load_model
 from .objectives import DraftObjective, Eagle3Objective, EagleObjective
 from .options import DEFAULT_DRAFT_VOCAB, KINDS, TrainConfig  # noqa: F401 (re-exported: train.TrainConfig)
-from .vocab import DraftVocab, most_frequent, token_counts
+from .core.vocab import DraftVocab, most_frequent, token_counts
 
 def padded_batches(dataset: TokenDataset, batch_size: int, seed: int, epoch: int
                    ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:

@@ -14,9 +14,9 @@ from fuzzyspec.calibrate import (
     running_max,
     sample_measure,
 )
-from fuzzyspec.decoding import DecodeConfig, decode
+from fuzzyspec.core.decoding import DecodeConfig, decode
 from fuzzyspec.drafters import ModelDrafter
-from fuzzyspec.sampling import Sampling
+from fuzzyspec.core.sampling import Sampling
 
 V = 32
 _lengths = torch.Generator().manual_seed(0)

@@ -4,9 +4,9 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from conftest import tiny_llama
-from fuzzyspec.decoding import DecodeConfig, decode
+from fuzzyspec.core.decoding import DecodeConfig, decode
 from fuzzyspec.eagle import EagleDrafter, EagleHead, load_head
-from fuzzyspec.sampling import Sampling
+from fuzzyspec.core.sampling import Sampling
 
 V = 32
 

@@ -5,13 +5,13 @@ import torch
 from transformers import DynamicCache
 
 from conftest import noisy_copy, tiny_llama
-from fuzzyspec.decoding import DecodeConfig, decode
+from fuzzyspec.core.decoding import DecodeConfig, decode
 from fuzzyspec.draftlm import make_draft_lm
 from fuzzyspec.drafters import ModelDrafter
 from fuzzyspec.eagle import EagleDrafter, load_any_head
 from fuzzyspec.eagle3 import default_feature_layers, is_eagle3, load_eagle3, make_eagle3
-from fuzzyspec.sampling import Sampling
-from fuzzyspec.vocab import DraftVocab
+from fuzzyspec.core.sampling import Sampling
+from fuzzyspec.core.vocab import DraftVocab
 from stats_util import chi_square_p_value
 
 V = 32

@@ -6,8 +6,8 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import fuzzyspec.hf
-from fuzzyspec.sampling import Sampling
-from fuzzyspec.stats import Stats
+from fuzzyspec.core.sampling import Sampling
+from fuzzyspec.core.stats import Stats
 from conftest import tiny_llama
 
 V = 96
@@ -195,7 +195,7 @@ def test_sampling_uses_hf_default_top_k(target, draft, monkeypatch):
 def test_drafters_by_name_and_every_option(target, tmp_path):
     """fsd_draft names any registry drafter; every decoding option is an fsd_ keyword (trees included)."""
     from fuzzyspec.eagle3 import make_eagle3
-    from fuzzyspec.vocab import DraftVocab
+    from fuzzyspec.core.vocab import DraftVocab
     make_eagle3(target, DraftVocab(torch.arange(0, V, 2), V)).save(tmp_path)
     prompt = torch.tensor([PROMPTS[0] * 3])
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)

@@ -2,7 +2,7 @@ import torch
 
 from fuzzyspec.drafters import Budget
 from fuzzyspec.lookup import LookupDrafter
-from fuzzyspec.sampling import Sampling
+from fuzzyspec.core.sampling import Sampling
 
 
 def propose(drafter, tokens, budget=4):

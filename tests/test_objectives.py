@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from fuzzyspec.divergences import divergence
+from fuzzyspec.core.divergences import divergence
 from fuzzyspec.objectives import LOSSES, distill_loss, loss_mask
-from fuzzyspec.vocab import DraftVocab
+from fuzzyspec.core.vocab import DraftVocab
 
 
 def random_pair(seed, v=12):

@@ -8,7 +8,7 @@ from fuzzyspec.eagle3 import make_eagle3
 from fuzzyspec.loading import LoadError
 from fuzzyspec.lookup import LookupDrafter
 from fuzzyspec.registry import load_drafter
-from fuzzyspec.vocab import DraftVocab
+from fuzzyspec.core.vocab import DraftVocab
 
 
 @pytest.fixture(scope="module")

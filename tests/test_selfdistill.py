@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from fuzzyspec.decoding import DecodeConfig, decode
-from fuzzyspec.sampling import Sampling
+from fuzzyspec.core.decoding import DecodeConfig, decode
+from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.selfdistill import AnswerSettings, generate_answers, load_answers, training_prompts
 
 V = 32

@@ -304,7 +304,7 @@ def test_every_error_has_openais_shape(server, method, path, content, status):
 
 def test_eagle_heads_trees_and_prompt_lookup_are_served(tiny_dirs, tmp_path):
     from fuzzyspec.eagle3 import make_eagle3
-    from fuzzyspec.vocab import DraftVocab
+    from fuzzyspec.core.vocab import DraftVocab
     pair = ModelPair.load(tiny_dirs["target"], None, "float32")
     make_eagle3(pair.target, DraftVocab(torch.arange(0, pair.vocab_size, 2), pair.vocab_size)).save(tmp_path / "head")
     for draft, extra in [(f"eagle:{tmp_path / 'head'}", {"tree": True}), (f"eagle:{tmp_path / 'head'}", {}),

@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_llama
 from fuzzyspec.data import TokenDataset
-from fuzzyspec.decoding import DecodeConfig, decode
+from fuzzyspec.core.decoding import DecodeConfig, decode
 from fuzzyspec.draftlm import load_draft_lm
 from fuzzyspec.drafters import ModelDrafter
 from fuzzyspec.eagle import EagleDrafter, load_head

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from fuzzyspec.divergences import divergence
-from fuzzyspec.rules import RULES, fsd, fsd_hybrid, leading_accepted, sd
+from fuzzyspec.core.divergences import divergence
+from fuzzyspec.core.rules import RULES, fsd, fsd_hybrid, leading_accepted, sd
 from stats_util import chi_square_p_value
 
 V = 6

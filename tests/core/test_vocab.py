@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fuzzyspec.vocab import DraftVocab, most_frequent, reduced_lm_head, token_counts
+from fuzzyspec.core.vocab import DraftVocab, most_frequent, reduced_lm_head, token_counts
 
 
 def test_maps_round_trip_in_the_eagle3_convention():

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import options
+from .. import options
 from .sampling import sample
 
 Verdict = tuple[Tensor, Tensor]

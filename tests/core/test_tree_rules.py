@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from fuzzyspec.divergences import divergence
-from fuzzyspec.tree_rules import walk
+from fuzzyspec.core.divergences import divergence
+from fuzzyspec.core.tree_rules import walk
 from fuzzyspec.drafters import Draft as Tree
 from stats_util import chi_square_p_value
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .drafters import Draft
+from .draft import Draft
 from .sampling import sample
 
 

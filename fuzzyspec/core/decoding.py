@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 
 from .divergences import canonical_name, divergence, point_divergence
-from .drafters import Budget, Draft, Drafter
+from .draft import Budget, Draft, Drafter
 from .kvcache import PaddedCache
-from .options import METHODS, OPTIONS, SCHEDULES
+from ..options import METHODS, OPTIONS, SCHEDULES
 from .rules import FUZZY, RULES
 from .sampling import Sampling, raw_probs, sample
 from .stats import Stats

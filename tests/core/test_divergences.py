@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from fuzzyspec.divergences import ALIASES, NAMES, divergence
+from fuzzyspec.core.divergences import ALIASES, NAMES, divergence
 
 
 def kl(a, b):
@@ -107,7 +107,7 @@ def test_unknown_name_lists_valid_ones():
 @pytest.mark.parametrize("name", NAMES)
 def test_a_point_mass_needs_no_one_hot(name):
     """D(p, q) with q certain of a token (prompt lookup) equals the dense divergence against the one-hot."""
-    from fuzzyspec.divergences import point_divergence
+    from fuzzyspec.core.divergences import point_divergence
     g = torch.Generator().manual_seed(7)
     p = (torch.randn(6, 40, generator=g) * 3).softmax(-1)
     tokens = torch.tensor([0, 5, 39, int(p[3].argmax()), 7, int(p[5].argsort()[-2])])

@@ -5,12 +5,12 @@ import torch
 from transformers import DynamicCache
 
 from conftest import noisy_copy, tiny_llama
-from fuzzyspec.decoding import DecodeConfig, decode
-from fuzzyspec.divergences import divergence
+from fuzzyspec.core.decoding import DecodeConfig, decode
+from fuzzyspec.core.divergences import divergence
 from fuzzyspec.drafters import ModelDrafter
-from fuzzyspec.kvcache import crop_to
-from fuzzyspec.rules import RULES
-from fuzzyspec.sampling import Sampling
+from fuzzyspec.core.kvcache import crop_to
+from fuzzyspec.core.rules import RULES
+from fuzzyspec.core.sampling import Sampling
 from stats_util import chi_square_p_value
 
 V = 32

@@ -3,14 +3,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from fuzzyspec.decoding import DecodeConfig, Engine, decode, decode_batch
+from fuzzyspec.core.decoding import DecodeConfig, Engine, decode, decode_batch
 from fuzzyspec.drafters import ModelDrafter
 from fuzzyspec.eagle import EagleDrafter
 from fuzzyspec.eagle3 import make_eagle3
-from fuzzyspec.kvcache import PaddedCache
+from fuzzyspec.core.kvcache import PaddedCache
 from fuzzyspec.lookup import LookupDrafter
-from fuzzyspec.sampling import Sampling
-from fuzzyspec.vocab import DraftVocab
+from fuzzyspec.core.sampling import Sampling
+from fuzzyspec.core.vocab import DraftVocab
 
 V = 32
 PROMPTS = [[1, 5, 9, 3, 7, 2], [4], [8, 8, 8, 1, 0, 30, 31, 2, 2, 6, 17], [3, 3], [12, 20, 7, 7, 1]]

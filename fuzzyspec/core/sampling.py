@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .options import BY_NAME
+from ..options import BY_NAME
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,152 @@
+"""What the decoding engine asks of a drafter, and what a drafter answers: ``Budget``, ``Draft``, ``Drafter``.
+
+A drafter plugs in by implementing ``Drafter`` (``BaseDrafter`` gives the optional parts) and
+registering a name in ``fuzzyspec.registry``. One drafter object serves one sequence at a time (it
+may keep caches between steps; ``reset`` clears them). Every proposal is a ``Draft``: a tree of
+tokens below the sequence's newest one, of which a chain is the case with one child per node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from .vocab import DraftVocab
+from .sampling import Sampling
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a drafter may propose at one step.
+
+    ``tokens``: at most this many chain tokens (>= 1). ``tree``: (total nodes, depth, children per
+    node) for drafters that draft trees, or None for a chain. ``min_confidence``: stop a chain
+    before a token whose draft distribution's top probability is below it (the first token is
+    always proposed).
+    """
+
+    tokens: int
+    tree: tuple[int, int, int] | None = None
+    min_confidence: float = 0.0
+
+
+@dataclass
+class Draft:
+    """Drafted tokens, as a tree hanging below the newest token of the sequence (the root).
+
+    ``tokens`` [n]: target ids. ``parents`` [n]: -1 for a child of the root, else an earlier node
+    (parents[i] < i). ``q`` [n + 1, N]: row 0 is the draft distribution the root's children came
+    from, row i + 1 node i's (zeros where a node was not expanded); None when every token was
+    chosen with certainty (a point mass on it: prompt lookup), which the rules use without
+    building it. ``logits`` [n + 1, N]: the raw logits behind q (None with q). ``vocab``: the
+    reduced draft vocabulary of q's N columns (None: N is the target's V). ``sampled``: children
+    were drawn from q (chains under sampling: SD's min(1, p/q) test applies); otherwise they were
+    picked deterministically (argmax, top-k, lookup), which the rules treat as point masses.
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    q: Tensor | None = None
+    logits: Tensor | None = None
+    vocab: DraftVocab | None = None
+    sampled: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if self.parents.shape != (n,) or bool((self.parents >= torch.arange(n, device=self.parents.device)).any()):
+            raise ValueError("a draft tree needs one parent per node, each parent numbered before its child")
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @staticmethod
+    def chain(tokens: Tensor, q: Tensor | None = None, logits: Tensor | None = None,
+              vocab: DraftVocab | None = None, sampled: bool = False) -> "Draft":
+        """A chain of k tokens; ``q``/``logits`` [k, N] are the distributions token i was drafted from."""
+        k = tokens.shape[0]
+        parents = torch.arange(-1, k - 1, device=tokens.device)
+        if q is not None:  # the last node was not expanded: a zero row
+            q = torch.cat([q, q.new_zeros(1, q.shape[-1])])
+            logits = torch.cat([logits, logits.new_zeros(1, logits.shape[-1])]) if logits is not None else None
+        return Draft(tokens, parents, q, logits, vocab, sampled)
+
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each node (1 for the root's children)."""
+        depths: list[int] = []
+        for parent in self.parents.tolist():
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def ancestors(self) -> Tensor:
+        """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool, device=self.parents.device)
+        for i, parent in enumerate(self.parents.tolist()):
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask
+
+    def widened(self, rows: Tensor | slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """(logits, q) of ``rows`` over the target's vocabulary: -inf and 0 outside a reduced vocabulary."""
+        logits, q = self.logits[rows], self.q[rows]
+        if self.vocab is None:
+            return logits, q
+        return self.vocab.expand(logits, float("-inf")), self.vocab.expand(q)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Everything the engine calls on a drafter.
+
+    ``propose`` sees the whole sequence so far ([1, L]: prompt and every emitted token) and
+    returns a Draft within ``budget`` (or None: nothing to propose now, the step runs the target
+    alone). ``sampling`` is the row's: a drafter that samples draws from ``generator``.
+    A drafter that reads the target's hidden states sets ``wants_target_features`` and
+    ``feature_layers`` (indices into the target's ``hidden_states``, concatenated on the last
+    dimension); after every target pass it gets ``observe(start, features)``: the features
+    ([1, n, F]) of sequence positions start .. start + n - 1 that stay in the sequence.
+    ``forwards`` counts the drafter's model passes, for statistics.
+    """
+
+    forwards: int
+    wants_target_features: ClassVar[bool]
+    drafts_trees: ClassVar[bool]
+
+    def reset(self) -> None: ...
+
+    def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None) -> Draft | None: ...
+
+    def observe(self, start: int, features: Tensor) -> None: ...
+
+
+class BaseDrafter:
+    """Defaults for the optional parts of ``Drafter``."""
+
+    wants_target_features: ClassVar[bool] = False
+    drafts_trees: ClassVar[bool] = False
+    feature_layers: list[int] = []
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, start: int, features: Tensor) -> None:
+        pass
