@@ -34,7 +34,7 @@ def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], budget: Bud
         probs = sampling.probs(logits)
         if tokens and budget.min_confidence and probs.max() < budget.min_confidence:
             break
-        token = sampling.pick(logits, probs, generator).unsqueeze(1)
+        token = (logits.argmax(-1) if budget.greedy else sampling.pick(logits, probs, generator)).unsqueeze(1)
         if vocab is not None:
             token = vocab.to_target(token)
         tokens.append(token)
@@ -43,7 +43,7 @@ def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], budget: Bud
         if i + 1 < budget.tokens:
             logits = advance(token)
     return Draft.chain(torch.cat(tokens, 1)[0], torch.cat(all_probs), torch.cat(all_logits), vocab,
-                       sampled=not sampling.greedy)
+                       sampled=not (sampling.greedy or budget.greedy))
 
 
 class ModelDrafter(BaseDrafter):

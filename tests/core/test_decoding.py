@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from conftest import noisy_copy, tiny_llama
 from fuzzyspec.core.decoding import DecodeConfig, decode
 from fuzzyspec.core.divergences import divergence
-from fuzzyspec.drafters import ModelDrafter
+from fuzzyspec.drafters import Budget, ModelDrafter
 from fuzzyspec.core.kvcache import crop_to
 from fuzzyspec.core.rules import RULES
 from fuzzyspec.core.sampling import Sampling
@@ -49,9 +49,11 @@ def test_greedy_ar_is_the_targets_greedy_output(target, prompt):
     assert stats.target_forwards == 30 and stats.mean_accepted == 1.0 and stats.proposed == 0
 
 
-def test_sampled_sd_has_the_targets_distribution():
+@pytest.mark.parametrize("greedy_drafts", [False, True])
+def test_sampled_sd_has_the_targets_distribution(greedy_drafts):
     """Two sampled tokens per run, 1,500 runs: the joint distribution of (t1, t2) must be
-    the target's own p(t1) p(t2 | t1) (chi-square), although the draft differs."""
+    the target's own p(t1) p(t2 | t1) (chi-square), although the draft differs; also when the
+    draft proposes its argmax while the target samples (the reference code's drafting)."""
     target = tiny_llama(vocab_size=6, seed=3)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.1)  # flatter distributions: every cell gets counts
@@ -63,7 +65,8 @@ def test_sampled_sd_has_the_targets_distribution():
         p2 = target(following).logits[:, -1].softmax(-1)
     exact = p1[:, None] * p2  # [t1, t2]
     counts = torch.zeros(6, 6)
-    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=2, sampling=Sampling(temperature=1.0))
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=2, sampling=Sampling(temperature=1.0),
+                          greedy_drafts=greedy_drafts)
     drafter = ModelDrafter(draft, 6)
     accepted = 0
     for seed in range(1500):
@@ -72,6 +75,20 @@ def test_sampled_sd_has_the_targets_distribution():
         accepted += stats.accepted
     assert 100 < accepted < 1400  # the draft is neither always right nor always wrong
     assert chi_square_p_value(counts, exact) > 1e-3
+
+
+def test_greedy_drafts_are_the_drafts_argmax_while_sampling(target, draft):
+    sampling = Sampling(temperature=1.0)
+    sequence = torch.tensor([PROMPTS[2]])
+    argmax = ModelDrafter(draft, V).propose(sequence, Budget(4), Sampling(), None).tokens
+    for seed in range(5):
+        drafted = ModelDrafter(draft, V).propose(sequence, Budget(4, greedy=True), sampling,
+                                                 torch.Generator().manual_seed(seed))
+        assert drafted.tokens.tolist() == argmax.tolist() and not drafted.sampled
+    sampled = {tuple(ModelDrafter(draft, V).propose(sequence, Budget(4), sampling,
+                                                    torch.Generator().manual_seed(seed)).tokens.tolist())
+               for seed in range(5)}
+    assert len(sampled) > 1
 
 
 @pytest.mark.parametrize("seed", range(4))
