@@ -10,7 +10,7 @@ how many rows equal their single-sequence output token for token (bfloat16 round
 different batch shapes, so a few greedy rows can part ways where two tokens are nearly tied).
 
 Usage: python benchmarks/bench_batching.py [--prompts 16] [--max-new-tokens 64] [--batch-sizes 1,4,16]
-           [--methods ar,sd,fsd] [--threshold 0.5] [--draft draft] [--threads 2] [--dtype auto]
+           [--methods ar,sd,fsd] [--threshold 0.5] [--draft draft] [--tree] [--threads 2] [--dtype auto]
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--draft", default="draft", help="the drafter, by name (default: the shipped draft LM)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tree", action="store_true", help="draft EAGLE-2 trees 16/5/4 (needs --draft eagle)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -71,11 +72,12 @@ def main() -> None:
     prompts = [pair.encode(e.prompt) for e in get_task("freeform").examples(args.prompts)]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     print(f"fuzzyspec bench_batching: SmolLM2-135M-Instruct + drafter {args.draft}, {len(prompts)} held-out prompts "
-          f"x {args.max_new_tokens} tokens, greedy, gamma 5, {pair.target.dtype}, {args.threads} threads, "
+          f"x {args.max_new_tokens} tokens, greedy, {'trees 16/5/4' if args.tree else 'gamma 5'}, {pair.target.dtype}, {args.threads} threads, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
     print(f"{'method':<12} {'decoder':<14} {'tok/s':>7} {'x single':>8} {'tok/pass':>8} {'same as single':>15}")
     for method in args.methods.split(","):
-        config = DecodeConfig(method=method, threshold=args.threshold, max_new_tokens=args.max_new_tokens)
+        config = DecodeConfig(method=method, threshold=args.threshold, max_new_tokens=args.max_new_tokens,
+                              tree=args.tree and method != "ar")
         warm = dataclasses.replace(config, max_new_tokens=4)
         run_single(pair, prompts[:1], warm)
         run_batched(pair, prompts[:2], warm, 2)

@@ -57,6 +57,7 @@ class DecodeConfig:
         ``divergence_top_p`` configure its truncated forms.
     raw_divergence: compute D on unprocessed softmax distributions, as the FSD
         reference code did, instead of on the processed ones.
+    greedy_drafts: draft the draft's argmax even when sampling, as the reference code did.
     eos_token_ids: generation ends at the first of these (which is kept).
     tree: draft EAGLE-2 trees (total nodes, depth, children per node) instead of chains.
     """
@@ -70,6 +71,7 @@ class DecodeConfig:
     divergence_top_k: int = _DEFAULT["divergence_top_k"]
     divergence_top_p: float = _DEFAULT["divergence_top_p"]
     raw_divergence: bool = _DEFAULT["raw_divergence"]
+    greedy_drafts: bool = _DEFAULT["greedy_drafts"]
     sampling: Sampling = field(default_factory=Sampling)
     max_new_tokens: int = _DEFAULT["max_new_tokens"]
     seed: int | None = _DEFAULT["seed"]
@@ -111,11 +113,11 @@ class DecodeConfig:
         if self.method == "ar":
             return None
         if self.draft_only:
-            return Budget(min(gamma, remaining), None, self.draft_confidence)
+            return Budget(min(gamma, remaining), None, self.draft_confidence, self.greedy_drafts)
         if remaining < 2:
             return None
         tree = (self.tree_total_tokens, self.tree_depth, self.tree_top_k) if self.tree else None
-        return Budget(min(gamma, remaining - 1), tree, self.draft_confidence)
+        return Budget(min(gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts)
 
 
 Callback = Callable[[Tensor], bool]
@@ -159,14 +161,31 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
         accepted, token = RULES[rule](draft.tokens[None], p[None], q, d[None] if d is not None else None,
                                       config.threshold, sampling.greedy, generator)
         return Verdict(list(range(int(accepted[0]))), int(token[0]), n, d)
+    lazy = None
     if fuzzy:
         if draft.q is None:
             raise ValueError("fuzzy rules on a draft tree need the draft's distributions")
-        expanded = draft.q.sum(-1) > 0  # only rows with drafted children have a D
-        d = torch.full((n + 1,), math.inf, device=p.device)
-        d[expanded] = _divergences(config, draft, logits[expanded], p[expanded], expanded)
-    path, token = walk(rule, draft, p, d, config.threshold, sampling.greedy, generator)
-    return Verdict(path, token, max(draft.depths), d[expanded] if d is not None else None)
+        lazy = _TreeDivergences(config, draft, logits, p)
+    path, token = walk(rule, draft, p, lazy, config.threshold, sampling.greedy, generator)
+    return Verdict(path, token, max(draft.depths), lazy.computed() if lazy is not None else None)
+
+
+class _TreeDivergences:
+    """D(p, q) at the rows of a tree that the walk reads, computed on first read: the walk visits at most
+    depth + 1 of a tree's rows, and a divergence over the whole vocabulary is the costly part of a step."""
+
+    def __init__(self, config: DecodeConfig, draft: Draft, logits: Tensor, p: Tensor) -> None:
+        self.config, self.draft, self.logits, self.p = config, draft, logits, p
+        self.values: dict[int, Tensor] = {}
+
+    def __getitem__(self, row: int) -> Tensor:
+        if row not in self.values:
+            rows = slice(row, row + 1)
+            self.values[row] = _divergences(self.config, self.draft, self.logits[rows], self.p[rows], rows)[0]
+        return self.values[row]
+
+    def computed(self) -> Tensor | None:
+        return torch.stack(list(self.values.values())) if self.values else None
 
 
 def _divergences(config: DecodeConfig, draft: Draft, target_logits: Tensor, p: Tensor, rows) -> Tensor:

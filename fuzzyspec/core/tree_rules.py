@@ -29,6 +29,8 @@ the root's child down, and the token emitted after them.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -44,9 +46,10 @@ def children_of(tree: Draft) -> list[list[int]]:
     return children
 
 
-def walk(rule: str, tree: Draft, p: Tensor, d: Tensor | None, threshold: float, greedy: bool,
+def walk(rule: str, tree: Draft, p: Tensor, d: Any, threshold: float, greedy: bool,
          generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Apply ``rule`` (``sd``, ``fsd`` or ``fsd-hybrid``) down ``tree``; see the module docstring."""
+    """Apply ``rule`` (``sd``, ``fsd`` or ``fsd-hybrid``) down ``tree``; see the module docstring. ``d``: None
+    for ``sd``, else anything whose ``d[row]`` is D at that row (a tensor, or values computed when first read)."""
     if rule not in ("sd", "fsd", "fsd-hybrid"):
         raise ValueError(f"unknown tree rule {rule!r}")
     children, tokens = children_of(tree), tree.tokens.tolist()
