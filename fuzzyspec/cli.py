@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -76,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for a prompt")
     gen.add_argument("prompt", help="the prompt (a user message when --chat)")
     _add_models(gen)
-    groups = add_arguments(gen, defaults=job | {"threshold": None})  # None: the default job's, unless calibrated
+    # None: the default job's, unless calibrated (threshold) or another drafter is named (tree; see _job_tree)
+    # method None: the default job's, or fsd with --target-acceptance (the rule it calibrates)
+    groups = add_arguments(gen, defaults=job | {"threshold": None, "tree": None, "method": None})
     groups["decoding"].add_argument(
         "--target-acceptance", type=float, default=None, metavar="A",
         help=f"instead of --threshold (default {DEFAULT_JOB.get('threshold', 0.3)}): calibrate T so that a fraction "
@@ -129,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench, defaults={"seed": 0, "max_new_tokens": 256},
                   skip=("method", "divergence", "threshold", "tree"))
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--allow-code-execution", action="store_true",
+                       help="let code tasks (humaneval) run the model's code to score it; isolated where the kernel "
+                            "allows (see the README)")
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with batched FSD")
     _add_models(serve)
@@ -137,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", default=None,
                        help="the model id clients send (default: the --target name, or smollm2-135m-instruct)")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
-    add_arguments(serve, defaults={**job, "temperature": 1.0, "max_new_tokens": 256})
+    add_arguments(serve, defaults={**job, "temperature": 1.0, "max_new_tokens": 256, "tree": None})
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default: 16)")
     limits.add_argument("--max-queue", type=int, default=64,
@@ -146,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a request may take, queueing included; then HTTP 504 (default: 300)")
     limits.add_argument("--max-body-bytes", type=int, default=1_000_000,
                         help="largest request body accepted; larger ones get HTTP 413 (default: 1000000)")
+
+    lm_eval = commands.add_parser(
+        "lm-eval", add_help=False, help="lm-evaluation-harness with the fuzzyspec model registered (all "
+        "arguments go to lm-eval: fuzzyspec lm-eval run --model fuzzyspec --model_args method=sd --tasks ...)")
+    lm_eval.add_argument("arguments", nargs=argparse.REMAINDER)
 
     train = commands.add_parser("train", help="train a drafter for a target, or make its training data")
     kinds = train.add_subparsers(dest="kind", required=True, parser_class=_Parser, metavar="KIND")
@@ -241,6 +252,13 @@ def _device(args: argparse.Namespace) -> str:
     return args.device
 
 
+def _job_tree(args: argparse.Namespace) -> None:
+    """Unless --tree or --no-tree was given, draft trees when the default job does and its drafter is used
+    (trees need an EAGLE head, so the job's tree shape does not carry over to another --draft)."""
+    if args.tree is None:
+        args.tree = bool(DEFAULT_JOB.get("tree", False)) and args.draft == "default"
+
+
 def _decoding(args: argparse.Namespace, **extra: object) -> dict:
     """DecodeConfig options from the flags, validated before any model loads."""
     from .api import make_config
@@ -265,6 +283,8 @@ def _calibrated_threshold(pair, options: dict, target: str | None, draft: str, a
 def _generate(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
+    if args.method is None:
+        args.method = "fsd" if args.target_acceptance is not None else DEFAULT_JOB.get("method", "fsd")
     if args.target_acceptance is not None:
         from .calibrate import check_request
 
@@ -275,6 +295,7 @@ def _generate(args: argparse.Namespace) -> None:
         check_request("acceptance", args.target_acceptance, args.gamma)
     if args.threshold is None:
         args.threshold = DEFAULT_JOB.get("threshold", 0.3)
+    _job_tree(args)
     options = _decoding(args)
     from .api import ModelPair
 
@@ -368,6 +389,14 @@ def _bench(args: argparse.Namespace) -> None:
     for value in acceptances or ():
         check_request("acceptance", value, args.gamma)
     decoding = _decoding(args)
+    from .execution import ALLOW_VARIABLE
+    from .tasks import CODE_REFUSAL, get_task
+
+    if args.allow_code_execution:
+        os.environ[ALLOW_VARIABLE] = "1"  # the one switch, read where the code runs
+    task = get_task(args.task, args.data)
+    if task.runs_code and not getattr(task, "allowed", False):
+        raise UsageError(CODE_REFUSAL)
     settings = Settings(task=args.task, data=args.data, limit=args.limit, target=args.target, dtype=args.dtype,
                         device=_device(args), calibration_prompts=args.calibration_prompts, decoding=decoding)
     specs = plan(drafts, args.rules, args.divergences, args.thresholds or [], acceptances or [])
@@ -436,6 +465,7 @@ def _serve(args: argparse.Namespace) -> None:
             raise UsageError(f"{name} must be >= 1, got {value}")
     if args.request_timeout <= 0:
         raise UsageError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    _job_tree(args)
     defaults = _decoding(args)
     try:
         import uvicorn
@@ -457,7 +487,17 @@ def _serve(args: argparse.Namespace) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
 
 
-COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "serve": _serve, "train": _train}
+def _lm_eval(args: argparse.Namespace) -> None:
+    try:
+        from .lmeval import run_cli
+    except ImportError as error:
+        raise UsageError(f"lm-eval needs the [lmeval] extra: pip install 'fuzzyspec[lmeval]' ({error.name} is "
+                         "missing)") from None
+    run_cli(args.arguments)
+
+
+COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "serve": _serve, "train": _train,
+            "lm-eval": _lm_eval}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -466,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_usage(sys.stderr)
-            raise UsageError("a command is required: generate, calibrate, bench, serve or train (fuzzyspec --help)")
+            raise UsageError("a command is required: generate, calibrate, bench, serve, train or lm-eval (fuzzyspec --help)")
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         if args.threads is not None:
             if args.threads < 1:

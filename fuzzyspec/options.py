@@ -23,7 +23,7 @@ DIVERGENCE_HELP = ("js, js_legacy, kl_pq, kl_qp, tv, hellinger, or their topk_*/
 
 # What `fuzzyspec generate PROMPT` runs when no option says otherwise (the README says why): the drafter
 # by name, and the decoding options that differ from DecodeConfig's defaults.
-DEFAULT_JOB: dict[str, Any] = {"draft": "draft", "method": "fsd", "divergence": "js", "threshold": 0.3}
+DEFAULT_JOB: dict[str, Any] = {"draft": "eagle", "method": "sd", "tree": True}
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ OPTIONS: tuple[Option, ...] = (
            "gamma_schedule", choices=SCHEDULES),
     Option("draft_confidence", 0.0, "stop drafting when the draft's top probability falls below this",
            "draft_confidence"),
+    Option("greedy_drafts", False, "draft the draft's most likely tokens even when sampling, as the FSD reference "
+           "code did (sd stays exact: a drafted argmax is a point mass)", "greedy_drafts"),
     Option("raw_divergence", False, "compute D on unprocessed distributions, as the FSD reference code did", None),
     Option("divergence_top_k", 50, "k of the topk_* divergences", None),
     Option("divergence_top_p", 0.9, "p of the topp_* divergences", None),
@@ -107,8 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | No
         group = groups.setdefault(option.group, parser.add_argument_group(option.group))
         default = defaults.get(option.name, option.default)
         shown = "" if default is None else f" (default: {default})"
-        if isinstance(option.default, bool):
-            group.add_argument(option.flag, action="store_true", default=default, help=option.help)
+        if isinstance(option.default, bool):  # --tree and --no-tree: a default job may switch it on
+            group.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=default, help=option.help)
             continue
         kind = parse_threshold if option.name == "threshold" else _parse_int if isinstance(option.default, int) \
             or option.name == "seed" else _parse_float if isinstance(option.default, float) else str

@@ -118,6 +118,7 @@ def test_console_script(tiny_dirs):
     (["--task", "freeform", "--limit", "0"], ["--limit must be >= 1"]),
     (["--task", "gsm8k", "--data", "/no/such.jsonl"], ["no such file"]),
     (["--task", "freeform", "--gamma", "0"], ["gamma must be >= 1"]),
+    (["--task", "humaneval"], ["runs the model's code", "--allow-code-execution"]),
 ])
 def test_bench_bad_input(capsys, tmp_path, argv, fragments):
     fails_cleanly(capsys, ["bench", "--out", str(tmp_path / "out"), *argv], *fragments)
