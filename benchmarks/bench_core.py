@@ -52,7 +52,7 @@ import torch
 import transformers
 from transformers.utils import logging as transformers_logging
 
-from fuzzyspec.api import DEFAULT_DRAFT, ModelPair, make_config
+from fuzzyspec.api import ModelPair, make_config
 from fuzzyspec.loading import resolve_dtype
 
 PROMPTS = [
@@ -131,7 +131,7 @@ def build_configs(pair: ModelPair, args: argparse.Namespace, thresholds: list[fl
     # confidence threshold from the ASSISTANT's generation_config (the keyword arguments of
     # target.generate do not reach the candidate generator). A self draft shares its
     # generation_config object with the target, so give it a copy of its own first.
-    assistant = pair.draft
+    assistant = pair.draft.module  # the draft model (HF's assisted generation needs a model, not a head)
     assistant.generation_config = copy.deepcopy(target.generation_config)
     assistant.generation_config.num_assistant_tokens = gamma
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
@@ -274,7 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gamma", type=int, default=5, help="drafts per step, ours and HF SD (default 5)")
     parser.add_argument("--thresholds", default="0.3,0.5,0.65", help="FSD thresholds, comma-separated")
     parser.add_argument("--divergence", default="js", help="FSD divergence (default js)")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
+    parser.add_argument("--draft", default="self:8", help="a draft model with the full vocabulary, as HF's assisted "
+                        "generation needs (default self:8)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto = bfloat16 where the CPU computes it natively, else float32")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
@@ -304,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log(f"loading target (embedded) and draft {args.draft} ...")
     pair = ModelPair.load(target=None, draft=args.draft, dtype=args.dtype, device="cpu")
-    if pair.draft is None:
-        raise SystemExit("a draft is needed")
+    if pair.draft is None or not hasattr(pair.draft.module, "generation_config"):
+        raise SystemExit("a draft model is needed (a draft LM or a model: HF's assisted generation runs beside)")
     dtype = str(resolve_dtype(args.dtype, "cpu")).replace("torch.", "")
     counter = PassCounter(pair.target)
     configs = build_configs(pair, args, args.threshold_list, counter)

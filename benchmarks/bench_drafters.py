@@ -2,7 +2,8 @@
 
 Two prompt sets, side by side: ``everyday`` (fuzzyspec/prompts/everyday.jsonl, written for the project in
 eight categories, never used in training) and ``sharegpt`` (held-out ShareGPT conversations, the
-training source's own distribution). Greedy, M new tokens per prompt (EOS does not stop a run, so every
+training source's own distribution), and any category of the everyday set on its own (``extraction``:
+pulling fields out of a given text, or editing it, where prompt lookup has text to copy). Greedy, M new tokens per prompt (EOS does not stop a run, so every
 configuration yields the same number of tokens), bfloat16, all in one process with the configurations
 interleaved per prompt (the starting one rotating), so machine noise hits all alike.
 
@@ -14,7 +15,7 @@ identical) and "nll" (the target's mean negative log-likelihood per token of the
 table: the time of one draft step of each drafter against one target step (a 1-token forward on a
 200-token cache, medians), which decides how cheap drafting is.
 
-Usage: python benchmarks/bench_drafters.py [--sets everyday,sharegpt] [--prompts 16] [--max-new-tokens 128]
+Usage: python benchmarks/bench_drafters.py [--sets everyday,sharegpt,extraction] [--prompts 16] [--max-new-tokens 128]
            [--draft NAME] [--eagle NAME] [--extra 'ROW={"drafter": NAME, ...}'] [--threads 2] [--json PATH]
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from transformers import DynamicCache
 from fuzzyspec.api import DEFAULT_JOB, ModelPair, make_config
 from fuzzyspec.data import prompts, read_sharegpt, split
 from fuzzyspec.core.decoding import target_features
+from fuzzyspec.core.draft import Budget
 from fuzzyspec.core.kvcache import crop_to
 from fuzzyspec.loading import embedded_gguf
 from fuzzyspec.core.sampling import Sampling
@@ -43,6 +45,11 @@ TREE = dict(tree=True, tree_total_tokens=16, tree_depth=5, tree_top_k=4)
 
 
 def load_prompts(name: str, count: int) -> list[str]:
+    """``everyday`` (every category in turn), one of its categories by name (e.g. ``extraction``: pulling
+    fields out of a given text, or editing it), or ``sharegpt`` (held out)."""
+    rows = [json.loads(line) for line in EVERYDAY.read_text().splitlines() if line.strip()]
+    if name in {row["category"] for row in rows}:
+        return [row["prompt"] for row in rows if row["category"] == name][:count]
     if name == "everyday":
         examples = FreeForm(str(EVERYDAY)).examples()
         # The same number from every category: every eighth prompt first, then the next ones.
@@ -97,15 +104,16 @@ def step_times(pair: ModelPair, drafted: dict[str, ModelPair], repeats: int = 30
         if getattr(drafter, "wants_target_features", False):
             hidden = pair.target(input_ids=ids[:, :200], output_hidden_states=True).hidden_states
             drafter.observe(0, target_features(hidden, drafter)[:, :199])
-        drafter.propose(ids, 4, sampling, None)
-        times[name] = median(lambda: drafter.propose(ids, 5, sampling, None)) - \
-            median(lambda: drafter.propose(ids, 4, sampling, None))
+        drafter.propose(ids, Budget(4), sampling, None)
+        times[name] = median(lambda: drafter.propose(ids, Budget(5), sampling, None)) - \
+            median(lambda: drafter.propose(ids, Budget(4), sampling, None))
     return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sets", default="everyday,sharegpt")
+    parser.add_argument("--sets", default="everyday,sharegpt",
+                        help="comma-separated prompt sets, each NAME or NAME:COUNT (COUNT overrides --prompts)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft", default="draft", help="the draft LM row's drafter (default: the shipped draft LM)")
@@ -122,7 +130,7 @@ def main() -> None:
     base = ModelPair.load(draft=None, dtype="bfloat16")
     pairs: dict[str, ModelPair] = {}
 
-    def pair(name: str) -> ModelPair:  # one target in memory, one drafter per name
+    def pair_for(name: str) -> ModelPair:  # one target in memory, one drafter per name
         if name not in pairs:
             pairs[name] = base.with_drafter(name)
         return pairs[name]
@@ -136,23 +144,25 @@ def main() -> None:
             configs.append(("llama.cpp greedy (same GGUF)", None, {}))
         except ImportError:
             print("llama-cpp-python is not installed: no llama.cpp row", file=sys.stderr)
-    configs += [("draft LM chain sd", pair(draft), dict(method="sd")),
-                ("EAGLE chain sd", pair(eagle), dict(method="sd")),
-                ("EAGLE-2 tree 16/5/4 sd", pair(eagle), dict(method="sd", **TREE)),
-                ("default job (" + " ".join(str(v) for v in DEFAULT_JOB.values()) + ")", pair(DEFAULT_JOB["draft"]),
-                 {k: v for k, v in DEFAULT_JOB.items() if k != "draft"})]
+    configs += [("draft LM chain sd", pair_for(draft), dict(method="sd")),
+                ("EAGLE chain sd", pair_for(eagle), dict(method="sd")),
+                ("EAGLE-2 tree 16/5/4 sd", pair_for(eagle), dict(method="sd", **TREE)),
+                ("default job (" + " ".join(str(v) for v in DEFAULT_JOB.values()) + ")",
+                 pair_for(DEFAULT_JOB["draft"]), {k: v for k, v in DEFAULT_JOB.items() if k != "draft"})]
     for extra in args.extra:
         name, options = extra.split("=", 1)
         options = json.loads(options)
-        configs.append((name, pair(options.pop("drafter")), options))
+        configs.append((name, pair_for(options.pop("drafter")), options))
 
     common = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=())
     for name, pair, options in configs:  # warm-up
         if pair is not None:
             pair.generate("Hello", **{**common, **options, "max_new_tokens": 8})
+    steps = step_times(base, dict(pairs))  # every drafter loaded for a row, by name
     results = {}
-    for set_name in [s for s in args.sets.split(",") if s]:
-        texts = load_prompts(set_name, args.prompts)
+    for set_spec in [s for s in args.sets.split(",") if s]:
+        set_name, _, count = set_spec.partition(":")
+        texts = load_prompts(set_name, int(count) if count else args.prompts)
         totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "prefix": 0.0, "nll": 0.0}
                   for name, _, _ in configs}
         for i, text in enumerate(texts):
@@ -184,8 +194,10 @@ def main() -> None:
                               "prefix_same_as_ar": row["prefix"] / len(texts),
                               "target_nll": row["nll"] / len(texts), "prompts": len(texts)}
                              for name, row in totals.items()]
+        if args.json:  # what is measured so far survives a later failure
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "step_ms": steps},
+                                                  indent=2))
 
-    steps = step_times(base, {"draft LM": pair(draft), "EAGLE head": pair(eagle)})
     print(f"fuzzyspec bench_drafters: SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} tokens per prompt, "
           f"bfloat16, {args.threads} threads, torch {torch.__version__}, {platform.machine()}; "
           f"draft LM {args.draft}, EAGLE head {args.eagle}")

@@ -37,7 +37,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     pair = ModelPair.load()
-    server = Server(pair, ServeConfig(model_name="m", temperature=0.0, max_batch=16))
+    server = Server(pair, ServeConfig(model_name="m", defaults={"temperature": 0.0, "max_new_tokens": 256},
+                                      max_batch=16))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
