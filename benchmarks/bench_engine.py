@@ -64,7 +64,8 @@ def main() -> None:
         base = ModelPair.load(draft=None, dtype="bfloat16")
         target, tokenizer = base.target, base.tokenizer
         weights = Path(folder) / "fuzzyspec_old" / "weights" / "smollm2-135m-instruct"  # the same drafters for both
-        new = {"draft": base.with_drafter(str(weights / "draft")), "eagle": base.with_drafter(f"eagle:{weights / 'eagle'}")}
+        new = {"draft": base.with_drafter(str(weights / "draft")),
+               "eagle": base.with_drafter(f"eagle:{weights / 'eagle'}")}
         old = {name: old_api.ModelPair(target, tokenizer,
                                        old_loading.load_draft(None if name == "draft" else "eagle", target, tokenizer,
                                                               None, "bfloat16"))

@@ -506,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_usage(sys.stderr)
-            raise UsageError("a command is required: generate, calibrate, bench, serve, train or lm-eval (fuzzyspec --help)")
+            raise UsageError("a command is required: generate, calibrate, bench, serve, train or lm-eval "
+                             "(fuzzyspec --help)")
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         if args.threads is not None:
             if args.threads < 1:

