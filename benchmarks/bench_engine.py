@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from bench_drafters import load_prompts  # the everyday set, every category in turn
 from fuzzyspec.api import ModelPair, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
-EVERYDAY = ROOT / "fuzzyspec" / "prompts" / "everyday.jsonl"
 
 
 def import_old(revision: str, folder: Path):
@@ -40,14 +40,6 @@ def import_old(revision: str, folder: Path):
     (folder / "fuzzyspec").rename(folder / "fuzzyspec_old")
     sys.path.insert(0, str(folder))
     return importlib.import_module("fuzzyspec_old.api"), importlib.import_module("fuzzyspec_old.loading")
-
-
-def everyday(count: int) -> list[str]:
-    import json
-
-    rows = [json.loads(line) for line in EVERYDAY.read_text().splitlines() if line.strip()]
-    ordered = [rows[i] for offset in range(8) for i in range(offset, len(rows), 8)]
-    return [row["prompt"] for row in ordered[:count]]
 
 
 def main() -> None:
@@ -73,7 +65,7 @@ def main() -> None:
         methods = [("ar", "draft", {}), ("chain sd", "draft", {"method": "sd"}),
                    ("tree sd", "eagle", {"method": "sd", "tree": True})]
         common = {"max_new_tokens": args.max_new_tokens, "eos_token_ids": ()}
-        prompts = [base.encode(text) for text in everyday(args.prompts)]
+        prompts = [base.encode(text) for text in load_prompts("everyday", args.prompts)]
         for name, drafter, options in methods:  # warm-up
             options = {"method": "ar", **options}
             new[drafter].generate(prompts[0], config=make_config(**{**common, **options, "max_new_tokens": 8}))

@@ -17,6 +17,7 @@ with ARGS. From Python: ``import fuzzyspec.lmeval`` and then ``lm_eval.simple_ev
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 from typing import Any
@@ -28,7 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from .api import DEFAULT_JOB, ModelPair, eos_ids, input_device, make_config
-from .options import BY_NAME
+from .options import BY_NAME, value_parser
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,10 @@ def _option_value(name: str, value: Any) -> Any:
                 raise ValueError(f"model argument {name} must be true or false, got {value!r}")
             return value.lower() in ("true", "1", "yes")
         return bool(value)
-    if name == "threshold" or isinstance(default, float):
-        return float(value)
-    if isinstance(default, int) or name == "seed":
-        return int(value)
-    return str(value)
+    try:
+        return value_parser(BY_NAME[name])(str(value))
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"model argument {name}: {error}") from None
 
 
 @register_model("fuzzyspec")

@@ -98,6 +98,15 @@ def _parse_float(text: str) -> float:
     return value
 
 
+def value_parser(option: Option):
+    """The function that reads a non-boolean option's value from text (raising ArgumentTypeError)."""
+    if option.name == "threshold":
+        return parse_threshold
+    if isinstance(option.default, int) or option.name == "seed":
+        return _parse_int
+    return _parse_float if isinstance(option.default, float) else str
+
+
 def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
                   skip: tuple[str, ...] = ()) -> dict[str, argparse._ArgumentGroup]:
     """Add every option (but ``skip``) to ``parser``, defaults from the table overridden by ``defaults``."""
@@ -112,9 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | No
         if isinstance(option.default, bool):  # --tree and --no-tree: a default job may switch it on
             group.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=default, help=option.help)
             continue
-        kind = parse_threshold if option.name == "threshold" else _parse_int if isinstance(option.default, int) \
-            or option.name == "seed" else _parse_float if isinstance(option.default, float) else str
-        group.add_argument(option.flag, type=kind, default=default, choices=option.choices,
+        group.add_argument(option.flag, type=value_parser(option), default=default, choices=option.choices,
                            metavar=None if option.choices else option.name.upper(), help=option.help + shown)
     return groups
 

@@ -72,23 +72,20 @@ class PaddedCache:
         rows, n = tokens.shape
         device = tokens.device
         valid = self.valid.to(device)
-        if allowed is None and depths is None and bool(new_valid.all()) and bool(valid.all()):
-            # No holes and a causal chain (a batch of one between steps, typically): the model's own causal
-            # attention at positions length.. is the same thing, without building and applying a mask.
-            out = model(input_ids=tokens, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep,
-                        output_hidden_states=hidden_states)
-            self.valid = torch.cat([valid, new_valid], 1)
-            return out
-        if allowed is None:
-            allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
-        eye = torch.eye(n, dtype=torch.bool, device=device)[None]
-        new_part = (new_valid[:, None, :] & allowed) | eye  # a padded query sees itself: no empty row
-        mask = torch.cat([valid[:, None, :].expand(rows, n, self.length), new_part], 2)[:, None]
-        before = valid.sum(1, keepdim=True)
-        if depths is None:
-            depths = new_valid.long().cumsum(1) - 1
-        positions = (before + depths).clamp_min(0)
-        out = model(input_ids=tokens, attention_mask=model_mask(model, mask), position_ids=positions,
+        mask = positions = None
+        # No holes and a causal chain (a batch of one between steps, typically): the model's own causal
+        # attention at positions length.. is the same thing, without building and applying a mask.
+        if not (allowed is None and depths is None and bool(new_valid.all()) and bool(valid.all())):
+            if allowed is None:
+                allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+            eye = torch.eye(n, dtype=torch.bool, device=device)[None]
+            new_part = (new_valid[:, None, :] & allowed) | eye  # a padded query sees itself: no empty row
+            allowed_all = torch.cat([valid[:, None, :].expand(rows, n, self.length), new_part], 2)[:, None]
+            mask = model_mask(model, allowed_all)
+            if depths is None:
+                depths = new_valid.long().cumsum(1) - 1
+            positions = (valid.sum(1, keepdim=True) + depths).clamp_min(0)
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                     past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep,
                     output_hidden_states=hidden_states)
         self.valid = torch.cat([valid, new_valid], 1)
