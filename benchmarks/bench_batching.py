@@ -23,8 +23,9 @@ import time
 import torch
 
 from fuzzyspec.api import ModelPair
-from fuzzyspec.core.decoding import DecodeConfig, Engine, decode
-from fuzzyspec.tasks import get_task
+from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.engine import Engine, Job, decode
+from fuzzyspec.eval.tasks import get_task
 
 
 def run_batched(pair: ModelPair, prompts: list[torch.Tensor], config: DecodeConfig, batch: int
@@ -34,7 +35,7 @@ def run_batched(pair: ModelPair, prompts: list[torch.Tensor], config: DecodeConf
         decoder = Engine(pair.target, pair.vocab_size)
         began = time.perf_counter()
         group = prompts[start: start + batch]
-        rows = decoder.add_many(group, [config] * len(group), [pair.drafter(config) for _ in group])
+        rows = decoder.add_many([Job(ids, config, pair.drafter(config)) for ids in group])
         while decoder.rows:
             decoder.step()
         seconds += time.perf_counter() - began

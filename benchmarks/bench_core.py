@@ -52,7 +52,8 @@ import torch
 import transformers
 from transformers.utils import logging as transformers_logging
 
-from fuzzyspec.api import ModelPair, make_config
+from fuzzyspec.api import ModelPair
+from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.loading import resolve_dtype
 
 PROMPTS = [
@@ -290,7 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.threshold_list = [float(t) for t in args.thresholds.split(",") if t.strip()]
         for t in args.threshold_list:  # validates threshold, divergence and gamma
-            make_config(method="fsd", threshold=t, divergence=args.divergence, gamma=args.gamma)
+            DecodeConfig(method="fsd", threshold=t, divergence=args.divergence, gamma=args.gamma)
     except ValueError as error:
         parser.error(str(error))
     return args

@@ -30,15 +30,15 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from fuzzyspec.api import DEFAULT_JOB, ModelPair, make_config
+from fuzzyspec.api import ModelPair
 from fuzzyspec.data import prompts, read_sharegpt, split
-from fuzzyspec.core.decoding import target_features
+from fuzzyspec.core.engine import target_features
 from fuzzyspec.core.draft import Budget
 from fuzzyspec.core.kvcache import crop_to
 from fuzzyspec.loading import embedded_gguf
 from fuzzyspec.core.sampling import Sampling
-from fuzzyspec.quality import first_difference, target_nll
-from fuzzyspec.tasks import FreeForm
+from fuzzyspec.eval.quality import first_difference, target_nll
+from fuzzyspec.eval.tasks import FreeForm
 
 EVERYDAY = Path(__file__).resolve().parents[1] / "fuzzyspec" / "prompts" / "everyday.jsonl"
 TREE = dict(tree=True, tree_total_tokens=16, tree_depth=5, tree_top_k=4)
@@ -100,7 +100,7 @@ def step_times(pair: ModelPair, drafted: dict[str, ModelPair], repeats: int = 30
     times = {"target": median(target_step)}
     sampling = Sampling()
     for name, other in drafted.items():
-        drafter = other.drafter(make_config(method="sd"))
+        drafter = other.drafter(other.config(method="sd"))
         if getattr(drafter, "wants_target_features", False):
             hidden = pair.target(input_ids=ids[:, :200], output_hidden_states=True).hidden_states
             drafter.observe(0, target_features(hidden, drafter)[:, :199])
@@ -147,8 +147,7 @@ def main() -> None:
     configs += [("draft LM chain sd", pair_for(draft), dict(method="sd")),
                 ("EAGLE chain sd", pair_for(eagle), dict(method="sd")),
                 ("EAGLE-2 tree 16/5/4 sd", pair_for(eagle), dict(method="sd", **TREE)),
-                ("default job (" + " ".join(str(v) for v in DEFAULT_JOB.values()) + ")",
-                 pair_for(DEFAULT_JOB["draft"]), {k: v for k, v in DEFAULT_JOB.items() if k != "draft"})]
+                ("default job (no options)", pair_for("default"), {})]
     for extra in args.extra:
         name, options = extra.split("=", 1)
         options = json.loads(options)

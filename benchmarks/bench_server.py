@@ -22,8 +22,8 @@ import torch
 import uvicorn
 
 from fuzzyspec.api import ModelPair
-from fuzzyspec.server import ServeConfig, Server, create_app
-from fuzzyspec.tasks import get_task
+from fuzzyspec.serve.app import ServeConfig, Server, create_app
+from fuzzyspec.eval.tasks import get_task
 
 
 def main() -> None:

@@ -26,8 +26,9 @@ import torch
 from fuzzyspec.api import ModelPair
 from fuzzyspec.data import TokenDataset, prompts, read_sharegpt, split
 from fuzzyspec.loading import shipped
-from fuzzyspec.tasks import FreeForm
-from fuzzyspec.train import TrainConfig, evaluate, make_objective
+from fuzzyspec.eval.tasks import FreeForm
+from fuzzyspec.train.config import TrainConfig
+from fuzzyspec.train.loop import evaluate, make_objective
 
 EVERYDAY = Path(__file__).resolve().parents[1] / "fuzzyspec" / "prompts" / "everyday.jsonl"
 

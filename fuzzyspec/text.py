@@ -1,9 +1,27 @@
 """From tokens to text as they are accepted: incremental detokenization and stop strings."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def check_prompt(prompt: str) -> None:
+    """A text prompt must hold something, and be text: a lone surrogate (from bytes that are not UTF-8 in a
+    command line, or an escaped half of a pair in JSON) cannot be encoded, so say so in one line rather than
+    fail inside a tokenizer."""
+    check_text(prompt, "the prompt")
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+
+
+def check_text(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid UTF-8 text (at character {error.start}: "
+                         f"{text[error.start]!r})") from None
 
 
 class TextStream:
@@ -14,7 +32,7 @@ class TextStream:
     before it and ``stopped`` turns True.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.tokens: list[int] = []

@@ -13,8 +13,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from fuzzyspec.loading import embedded_folder
-from fuzzyspec.selfdistill import training_prompts
-from fuzzyspec.train import load_data
+from fuzzyspec.train.selfdistill import training_prompts
+from fuzzyspec.train.loop import load_data
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)

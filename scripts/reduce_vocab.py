@@ -52,8 +52,8 @@ def main() -> None:
     if args.vocab_from:
         vocab = vocab_of(folder(args.vocab_from))
     elif args.data:
-        from fuzzyspec.selfdistill import load_answers
-        from fuzzyspec.train import build_vocab
+        from fuzzyspec.train.selfdistill import load_answers
+        from fuzzyspec.train.loop import build_vocab
 
         vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]  # the target's
         vocab = build_vocab(load_answers(args.data), args.size, vocab_size)

@@ -18,16 +18,19 @@ def fails_cleanly(capsys, argv, *fragments):
 
 
 @pytest.mark.parametrize("argv, fragments", [
-    (["--divergence", "cosine"], ["unknown divergence 'cosine'", "js", "kl_pq", "top_k_js_div"]),
-    (["--threshold", "-0.5"], ["threshold must be >= 0"]),
-    (["--threshold", "nan"], ["threshold must be >= 0"]),
-    (["--threshold", "abc"], ["threshold must be a number"]),
-    (["--gamma", "0"], ["gamma must be >= 1"]),
-    (["--max-new-tokens", "0"], ["max_new_tokens must be >= 1"]),
+    (["--divergence", "cosine"], ["--divergence 'cosine' is unknown", "js", "kl_pq", "top_k_js_div"]),
+    (["--threshold", "-0.5"], ["--threshold: must be >= 0"]),
+    (["--threshold", "nan"], ["--threshold: must be >= 0"]),
+    (["--threshold", "abc"], ["--threshold: must be a number"]),
+    (["--gamma", "0"], ["--gamma must be >= 1"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
     (["--method", "beam"], ["invalid choice"]),
-    (["--temperature", "-1"], ["temperature must be a finite number >= 0"]),
-    (["--top-p", "0"], ["top_p must be in (0, 1]"]),
-    (["--tree-depth", "0"], ["tree_depth must be >= 1"]),
+    (["--temperature", "-1"], ["--temperature must be a finite number >= 0"]),
+    (["--top-p", "0"], ["--top-p must be in (0, 1]"]),
+    (["--tree-depth", "0"], ["--tree-depth must be >= 1"]),
+    (["--draft", "nosuch"], ["unknown drafter 'nosuch'", "eagle:DIR", "lookup"]),
+    (["--draft", "lookup", "--tree"], ["--tree needs a drafter that drafts trees"]),
+    (["--device", "tpu"], ["--device tpu: unknown"]),
 ])
 def test_bad_options(capsys, argv, fragments):
     fails_cleanly(capsys, ["generate", "hello", *argv], *fragments)
@@ -56,7 +59,7 @@ def test_vocabulary_mismatch(capsys, tiny_dirs):
 
 def test_trees_need_an_eagle_head(capsys, tiny_dirs):
     fails_cleanly(capsys, ["generate", "hi", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--tree"],
-                  "tree drafting needs an EAGLE head")
+                  "--tree needs a drafter that drafts trees")
 
 
 def test_bad_self_draft(capsys, tiny_dirs):
@@ -110,14 +113,14 @@ def test_console_script(tiny_dirs):
 
 @pytest.mark.parametrize("argv, fragments", [
     (["--task", "nope"], ["unknown task 'nope'"]),
-    (["--task", "freeform", "--thresholds", "0.1,-1"], ["threshold must be >= 0"]),
+    (["--task", "freeform", "--thresholds", "0.1,-1"], ["--thresholds: in '0.1,-1': must be >= 0"]),
     (["--task", "freeform", "--rules", "beam"], ["unknown rule"]),
-    (["--task", "freeform", "--divergences", "cosine"], ["unknown divergence"]),
-    (["--task", "freeform", "--target-acceptance", "1.5"], ["target acceptance must be in (0, 1)"]),
+    (["--task", "freeform", "--divergences", "cosine"], ["'cosine' is unknown"]),
+    (["--task", "freeform", "--target-acceptance", "1.5"], ["--target-acceptance must be in (0, 1)"]),
     (["--task", "freeform", "--thresholds", "0.1", "--target-acceptance", "0.5"], ["not allowed with"]),
     (["--task", "freeform", "--limit", "0"], ["--limit must be >= 1"]),
     (["--task", "gsm8k", "--data", "/no/such.jsonl"], ["no such file"]),
-    (["--task", "freeform", "--gamma", "0"], ["gamma must be >= 1"]),
+    (["--task", "freeform", "--gamma", "0"], ["--gamma must be >= 1"]),
     (["--task", "humaneval"], ["runs the model's code", "--allow-code-execution"]),
 ])
 def test_bench_bad_input(capsys, tmp_path, argv, fragments):
@@ -126,10 +129,10 @@ def test_bench_bad_input(capsys, tmp_path, argv, fragments):
 
 @pytest.mark.parametrize("argv, fragments", [
     ([], ["one of the arguments --acceptance --mean-accepted is required"]),
-    (["--acceptance", "1.2"], ["target acceptance must be in (0, 1)"]),
+    (["--acceptance", "1.2"], ["--acceptance must be in (0, 1)"]),
     (["--mean-accepted", "9"], ["gamma + 1"]),
     (["--acceptance", "0.5", "--method", "sd"], ["invalid choice"]),
-    (["--acceptance", "0.5", "--divergences", "js,cosine"], ["unknown divergence 'cosine'"]),
+    (["--acceptance", "0.5", "--divergences", "js,cosine"], ["'cosine' is unknown"]),
     (["--acceptance", "0.5", "--prompts", "0"], ["--prompts must be >= 1"]),
 ])
 def test_calibrate_bad_input(capsys, argv, fragments):
@@ -137,9 +140,9 @@ def test_calibrate_bad_input(capsys, argv, fragments):
 
 
 def test_generate_target_acceptance_bad_input(capsys):
-    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "0.8", "--method", "sd"], "needs a fuzzy method")
-    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "0.8", "--threshold", "0.3"], "not allowed with")
-    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "1"], "target acceptance must be in (0, 1)")
+    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "0.8", "--method", "sd"], "--target-acceptance needs a fuzzy method")
+    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "0.8", "--threshold", "0.3"], "--target-acceptance excludes a threshold")
+    fails_cleanly(capsys, ["generate", "hi", "--target-acceptance", "1"], "--target-acceptance must be in (0, 1)")
 
 
 PROMPTS = str(Path(__file__).parent / "fixtures" / "prompts.jsonl")
@@ -170,10 +173,10 @@ def test_calibrate_command(capsys, tiny_dirs):
 
 
 def test_generate_with_target_acceptance_calibrates_once(capsys, tmp_path, tiny_dirs, monkeypatch):
-    from fuzzyspec.tasks import FreeForm
+    from fuzzyspec.eval.tasks import FreeForm
     monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr("fuzzyspec.tasks.get_task", lambda name, data=None: FreeForm(PROMPTS))
-    monkeypatch.setattr("fuzzyspec.calibrate.CALIBRATION_PROMPTS", 3)
+    monkeypatch.setattr("fuzzyspec.eval.tasks.get_task", lambda name, data=None: FreeForm(PROMPTS))
+    monkeypatch.setattr("fuzzyspec.eval.calibrate.CALIBRATION_PROMPTS", 3)
     argv = ["generate", "hello", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--json",
             "--target-acceptance", "0.5", "--max-new-tokens", "6", "--dtype", "float32"]
     assert main(argv) == 0
@@ -182,7 +185,7 @@ def test_generate_with_target_acceptance_calibrates_once(capsys, tmp_path, tiny_
     (calibration,) = saved.values()
     assert json.loads(captured.out)["threshold"] == calibration["threshold"]
     assert "[calibrated] js T=" in captured.err
-    monkeypatch.setattr("fuzzyspec.calibrate.calibrate_pair", None)  # a second call must read the cache
+    monkeypatch.setattr("fuzzyspec.eval.calibrate.calibrate_pair", None)  # a second call must read the cache
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["threshold"] == calibration["threshold"]
 
@@ -233,3 +236,78 @@ def test_a_truncated_gguf_is_one_line(capsys, tmp_path):
     broken = tmp_path / "cut.gguf"
     broken.write_bytes(embedded_gguf().read_bytes()[:100_000])
     fails_cleanly(capsys, ["generate", "hi", "--target", str(broken), "--method", "ar"], "could not load model")
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if anything loads a model: every check must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+    monkeypatch.setattr("fuzzyspec.loading.load_model", refuse)
+    monkeypatch.setattr("fuzzyspec.api.load_model", refuse)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--temperature", "-1"], "--temperature"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--gamma", "0"], "--gamma"), (["--seed", "-4"], "--seed"), (["--device", "tpu"], "--device"),
+    (["--draft", "lookup", "--tree"], "--tree"), (["--draft", "nosuch"], "unknown drafter 'nosuch'"),
+    (["--draft", "someone/no-such-model"], "the hub is unreachable"), (["--method", "sd", "--draft", "self:x"], "self:N"),
+])
+def test_every_check_runs_before_any_model_loads(capsys, no_model_loads, monkeypatch, argv, fragment):
+    monkeypatch.setattr("fuzzyspec.loading._hub_reachable", lambda timeout=3.0: False)  # as on an offline machine
+    fails_cleanly(capsys, ["generate", "hi", *argv], fragment)
+
+
+def test_prompts_from_standard_input_and_files(capsys, tiny_dirs, tmp_path, monkeypatch):
+    import io
+    common = ["--target", tiny_dirs["target"], "--draft", "lookup", "--json", "--max-new-tokens", "4"]
+    assert main(["generate", "hello there", *common]) == 0
+    expected = json.loads(capsys.readouterr().out)["text"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("hello there".encode())))
+    assert main(["generate", "-", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == expected
+    path = tmp_path / "prompt.txt"
+    path.write_text("hello there", encoding="utf-8")
+    assert main(["generate", "--prompt-file", str(path), *common]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == expected
+    path.write_bytes(b"caf\xe9")
+    fails_cleanly(capsys, ["generate", "--prompt-file", str(path)], "not UTF-8 text")
+    fails_cleanly(capsys, ["generate", "--prompt-file", str(tmp_path / "missing.txt")], "--prompt-file")
+    fails_cleanly(capsys, ["generate"], "a prompt is required")
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
+    """Bytes that are not UTF-8 reach Python's argv as lone surrogates: one line, exit 2, no traceback."""
+    done = subprocess.run([sys.executable.encode(), b"-m", b"fuzzyspec", b"generate", b"caf\xe9 \xff"],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.decode()
+    assert err.count("\n") == 1 and "not valid UTF-8" in err and "Traceback" not in err
+
+
+def test_help_shows_every_default_and_why_the_default_job_is_lossless(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "lossless" in text and "(default: sd;" in text and "(default: 0.3)" in text
+    assert "(default: on with the default drafter" in text and "(default: default)" in text
+
+
+def test_stats_name_a_threshold_only_where_a_rule_reads_it(capsys, tiny_dirs):
+    common = ["generate", "hi", "--target", tiny_dirs["target"], "--draft", "lookup", "--json", "--max-new-tokens", "3"]
+    for method, threshold in (("sd", None), ("ar", None), ("fsd", 0.3)):
+        assert main([*common, "--method", method]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["method"] == method and result["threshold"] == threshold
+
+
+def test_the_python_api_runs_the_same_job_as_the_command_line(capsys, tiny_dirs):
+    from fuzzyspec.api import ModelPair
+    assert main(["generate", "hello there", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--json",
+                 "--max-new-tokens", "10", "--dtype", "float32"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], "float32")
+    config = pair.config(max_new_tokens=10)
+    result = pair.generate("hello there", max_new_tokens=10)
+    assert {k: cli[k] for k in config.describe()} == config.describe() and cli["method"] == "sd"
+    assert result.text == cli["text"] and result.stats.target_forwards == cli["stats"]["target_forwards"]

@@ -30,9 +30,12 @@ def test_greedy_sd_equals_hf_generate(pair32):
 def test_cli_default_models(capsys):
     assert main(["generate", "What is the capital of France?", "--json", "--max-new-tokens", "12"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["method"] == "sd" and result["draft"] == "default"  # the default job: EAGLE-2 trees, exact
+    assert result["method"] == "sd" and result["draft"] == "default" and result["tree"]  # the default job
     assert result["stats"]["new_tokens"] >= 1 and result["stats"]["draft_forwards"] >= 1
     assert "Paris" in result["text"]
+    # The Python API with no options runs the very same job.
+    api = ModelPair.load().generate("What is the capital of France?", max_new_tokens=12)
+    assert api.text == result["text"] and api.stats.target_forwards == result["stats"]["target_forwards"]
 
 
 SHIPPED_PROMPTS = [
@@ -41,14 +44,15 @@ SHIPPED_PROMPTS = [
     "Give me three tips for sleeping better.",
     "Explain how a bicycle stays upright.",
 ]
-# Measured on these prompts (greedy, 64 new tokens, gamma 5, bfloat16 on the development CPU);
-# the test allows about 15% less, for other CPUs' rounding.
-DOCUMENTED_MEAN_ACCEPTED = {"draft": 1.88, "eagle": 1.98}
+# Measured on these prompts (greedy, 64 new tokens, gamma 5) in float32, which rounds alike on every CPU class;
+# in bfloat16 the target writes other text (1.88 and 1.98 were measured there), so the dtype is fixed. The test
+# allows about 15% less.
+DOCUMENTED_MEAN_ACCEPTED = {"draft": 1.42, "eagle": 1.70}
 
 
 @pytest.mark.parametrize("draft", ["draft", "eagle"])
 def test_shipped_drafters_reach_their_documented_acceptance(draft):
-    pair = ModelPair.load(draft=draft)
+    pair = ModelPair.load(draft=draft, dtype="float32")
     new_tokens = forwards = 0
     for prompt in SHIPPED_PROMPTS:
         result = pair.generate(prompt, method="sd", gamma=5, max_new_tokens=64, eos_token_ids=())

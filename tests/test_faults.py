@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from fuzzyspec.cli import main
 from fuzzyspec.options import OPTIONS
-from test_server import Running
+from serve_util import Running
 
 ODD_NUMBERS = [0, -1, 1, 2, 3, 16, 40, 2**31, 2**63, 2**70, -2**63, 0.5, -0.5, 1e-9, 1e308, 1.5,
                float("inf"), float("-inf"), float("nan")]

@@ -97,7 +97,7 @@ def test_missing_draft_raises(target):
     for method in ("fsd", "sd", "fsd-hybrid"):
         with pytest.raises(ValueError, match="draft"):
             fsd(target, PROMPTS[0], fsd_method=method, max_new_tokens=5)
-    with pytest.raises(ValueError, match="unknown fsd_method"):
+    with pytest.raises(ValueError, match="fsd_method must be one of"):
         fsd(target, PROMPTS[0], fsd_method="beam", max_new_tokens=5)
     assert fsd(target, PROMPTS[0], fsd_method="ar", max_new_tokens=5).shape == (1, len(PROMPTS[0]) + 5)
 
@@ -194,7 +194,7 @@ def test_sampling_uses_hf_default_top_k(target, draft, monkeypatch):
 
 def test_drafters_by_name_and_every_option(target, tmp_path):
     """fsd_draft names any registry drafter; every decoding option is an fsd_ keyword (trees included)."""
-    from fuzzyspec.eagle3 import make_eagle3
+    from fuzzyspec.drafters.eagle3 import make_eagle3
     from fuzzyspec.core.vocab import DraftVocab
     make_eagle3(target, DraftVocab(torch.arange(0, V, 2), V)).save(tmp_path)
     prompt = torch.tensor([PROMPTS[0] * 3])

@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ..options import OptionError
+
 EPS = 1e-10
 
 
@@ -112,11 +114,11 @@ NAMES: tuple[str, ...] = tuple(
 
 
 def canonical_name(kind: str) -> str:
-    """Resolve an alias; raise ValueError listing the valid names for an unknown one."""
+    """Resolve an alias; raise OptionError (a ValueError) listing the valid names for an unknown one."""
     name = ALIASES.get(kind, kind)
     if name not in NAMES:
         valid = ", ".join([*NAMES, *ALIASES])
-        raise ValueError(f"unknown divergence {kind!r}; valid: {valid}")
+        raise OptionError("divergence", f"{kind!r} is unknown; valid: {valid}")
     return name
 
 

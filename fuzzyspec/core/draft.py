@@ -1,7 +1,7 @@
 """What the decoding engine asks of a drafter, and what a drafter answers: ``Budget``, ``Draft``, ``Drafter``.
 
 A drafter plugs in by implementing ``Drafter`` (``BaseDrafter`` gives the optional parts) and
-registering a name in ``fuzzyspec.registry``. One drafter object serves one sequence at a time (it
+registering a name in ``fuzzyspec.drafters.registry``. One drafter object serves one sequence at a time (it
 may keep caches between steps; ``reset`` clears them). Every proposal is a ``Draft``: a tree of
 tokens below the sequence's newest one, of which a chain is the case with one child per node.
 """

@@ -27,7 +27,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .. import options
 from .sampling import sample
 
 Verdict = tuple[Tensor, Tensor]
@@ -129,6 +128,3 @@ def fsd_hybrid(tokens: Tensor, p: Tensor, q: Tensor | None, d: Tensor, threshold
 Rule = Callable[[Tensor, Tensor, Tensor | None, Tensor | None, float, bool, torch.Generator | None], Verdict]
 
 RULES: dict[str, Rule] = {"sd": sd, "fsd": fsd, "fsd-hybrid": fsd_hybrid}
-
-# Rules that read D; the decoding loop computes it only for these.
-FUZZY = frozenset(options.FUZZY)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..options import BY_NAME
+from ..options import BY_NAME, OptionError
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,11 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise OptionError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ import torch
 
 from fuzzyspec.core.divergences import divergence
 from fuzzyspec.core.tree_rules import walk
-from fuzzyspec.drafters import Draft as Tree
+from fuzzyspec.core.draft import Draft as Tree
 from stats_util import chi_square_p_value
 
 V = 6

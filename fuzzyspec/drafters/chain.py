@@ -1,0 +1,40 @@
+"""Drafting a chain token by token: the loop the model drafters (draft LMs and EAGLE heads) share."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..core.draft import Budget, Draft
+from ..core.sampling import Sampling
+from ..core.vocab import DraftVocab
+
+
+def common_prefix(a: Tensor, b: Tensor) -> int:
+    """Length of the longest common prefix of two [1, L] token tensors."""
+    n = min(a.shape[1], b.shape[1])
+    same = (a[0, :n] == b[0, :n]).long()
+    return int(same.cumprod(0).sum())
+
+
+def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None, vocab: DraftVocab | None = None) -> Draft:
+    """Draft up to ``budget.tokens`` tokens one after another: pick a token from ``logits`` ([1, N]), then
+    ``advance(token)`` ([1, 1], a target id) gives the next logits (not called after the last token).
+    ``vocab`` maps the columns of a reduced draft vocabulary to target ids."""
+    tokens, all_logits, all_probs = [], [], []
+    for i in range(budget.tokens):
+        probs = sampling.probs(logits)
+        if tokens and budget.min_confidence and probs.max() < budget.min_confidence:
+            break
+        token = (logits.argmax(-1) if budget.greedy else sampling.pick(logits, probs, generator)).unsqueeze(1)
+        if vocab is not None:
+            token = vocab.to_target(token)
+        tokens.append(token)
+        all_logits.append(logits)
+        all_probs.append(probs)
+        if i + 1 < budget.tokens:
+            logits = advance(token)
+    return Draft.chain(torch.cat(tokens, 1)[0], torch.cat(all_probs), torch.cat(all_logits), vocab,
+                       sampled=not (sampling.greedy or budget.greedy))

@@ -1,0 +1,198 @@
+"""The EAGLE drafter: chains or EAGLE-2 dynamic trees from an EAGLE head (EAGLE-1/2 or EAGLE-3), fed the
+target's features."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from ..core.draft import BaseDrafter, Budget, Draft
+from ..core.kvcache import crop_to
+from ..core.sampling import Sampling
+from ..core.vocab import reduced_lm_head
+from .chain import common_prefix, draft_chain
+from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
+from .eagle_head import EagleHead, load_head
+
+Head = EagleHead | Eagle3Head
+
+
+def load_any_head(folder: str | Path, target: PreTrainedModel) -> Head:
+    """An EAGLE-3 head or an EAGLE-1/2 head, whichever layout ``folder`` holds."""
+    return load_eagle3(folder, target) if is_eagle3(folder) else load_head(folder, target)
+
+
+def head_logits(head: Head, target: PreTrainedModel) -> Callable[[Tensor], Tensor]:
+    """How a head's outputs become draft logits (float32): an EAGLE-3 head's own LM head; an EAGLE-1/2
+    head's predicted features through the target's LM head, only its draft vocabulary's rows when it has
+    one (so a draft step reads N rows, not V). Made once per loaded head, shared by its drafters."""
+    if isinstance(head, Eagle3Head):
+        return head.logits
+    lm_head = target.get_output_embeddings()
+    if head.vocab is not None:
+        lm_head = reduced_lm_head(lm_head, head.vocab)
+    return lambda out: lm_head(out).float()
+
+
+class EagleDrafter(BaseDrafter):
+    """Drafts chains, or EAGLE-2 trees, with an EAGLE head (EAGLE-1/2 or EAGLE-3), fed the target's features.
+
+    The engine hands it the target's hidden states at ``feature_layers`` (indices into the
+    target's ``hidden_states``, concatenated; ``observe``) after each verification. Head
+    positions computed from true features stay in its KV cache; those computed from its
+    own predictions are recomputed next time.
+
+    Trees (a budget with a tree shape: total nodes, depth, top_k) follow EAGLE-2's
+    context-aware dynamic tree (Li et al. 2024): from the root, the ``top_k`` most likely
+    tokens under the head become children; then for ``depth - 1`` more levels the ``top_k``
+    frontier nodes of highest confidence (the product of draft probabilities along the path)
+    are expanded, each into its own ``top_k`` children, in one head pass per level with tree
+    attention. Finally all drafted nodes are reranked by confidence and the best ``total``
+    kept (a child is never more confident than its parent, so the kept set holds its
+    ancestors). EAGLE-2's published setting is total 60, depth 6, top_k 10.
+    """
+
+    wants_target_features = True
+    drafts_trees = True
+
+    def __init__(self, head: Head, target: PreTrainedModel, vocab_size: int,
+                 logits: Callable[[Tensor], Tensor] | None = None) -> None:
+        """``logits``: ``head_logits(head, target)``, passed in when several drafters share one head."""
+        super().__init__()
+        self.head = head
+        self.embed = target.get_input_embeddings()
+        self.vocab_size = vocab_size
+        self.vocab = head.vocab
+        self.feature_layers = head.feature_layers
+        self._head_logits = logits or head_logits(head, target)
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.features: Tensor | None = None  # true target features of positions 0 .. F - 1
+        self.tokens: Tensor | None = None  # the sequence those features belong to
+        self.true_positions = 0  # head cache positions computed from true features and tokens
+
+    def observe(self, start: int, features: Tensor) -> None:
+        """True target features ([1, n, F]) of positions start .. start + n - 1."""
+        known = self.features[:, :start] if self.features is not None else features[:, :0]
+        self.features = torch.cat([known, features], 1)
+        self.true_positions = min(self.true_positions, start)
+
+    @torch.inference_mode()
+    def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None) -> Draft | None:
+        if self.features is None:  # nothing to draft from before the target's first pass
+            return None
+        hidden = self._root(sequence)
+        if budget.tree is not None:
+            return self._tree(sequence, hidden, budget.tree, sampling)
+
+        def advance(token: Tensor) -> Tensor:
+            nonlocal hidden
+            hidden = self.head(self.embed(token), hidden, self.cache)
+            self.forwards += 1
+            return self._logits(hidden[:, -1])
+
+        return draft_chain(self._logits(hidden[:, -1]), advance, budget, sampling, generator, self.vocab)
+
+    def _root(self, sequence: Tensor) -> Tensor:
+        """Bring the head's cache up to date with the true features; return the predicted feature
+        ([1, 1, H]) of the newest token, whose logits give the first draft."""
+        # Head position j reads token j + 1 and feature j: positions 0 .. F - 1, with F <= len - 1.
+        count = min(self.features.shape[1], sequence.shape[1] - 1)
+        if self.tokens is not None:
+            self.true_positions = min(self.true_positions, common_prefix(self.tokens, sequence) - 1)
+        kept = max(0, min(self.true_positions, count - 1))  # always feed at least one position
+        crop_to(self.cache, kept)
+        embeds = self.embed(sequence[:, kept + 1: count + 1])
+        hidden = self.head(embeds, self.features[:, kept:count].to(embeds.dtype), self.cache)[:, -1:]
+        self.forwards += 1
+        self.true_positions, self.tokens = count, sequence
+        return hidden
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """Draft logits of the head's outputs [..., H]: over the draft vocabulary, or the shared V columns."""
+        logits = self._head_logits(hidden)
+        return logits if self.vocab is not None else logits[..., : self.vocab_size]
+
+    def _tree(self, sequence: Tensor, root_hidden: Tensor, shape: tuple[int, int, int], sampling: Sampling) -> Draft:
+        """An EAGLE-2 dynamic tree below the newest token (see the class docstring)."""
+        total, max_depth, top_k = shape
+        base = self.cache.get_seq_length()  # head positions from true features; tree nodes go after them
+        root_logits = self._logits(root_hidden[:, -1])[0]
+        root_q = sampling.probs(root_logits)
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []  # log confidence of each node
+        depths: list[int] = []
+        node_q: dict[int, tuple[Tensor, Tensor]] = {}  # expanded node -> (its logits, its q)
+
+        def add_children(parent: int, probs: Tensor, depth: int) -> list[int]:
+            values, ids = probs.topk(min(top_k, probs.shape[-1]))
+            if self.vocab is not None:
+                ids = self.vocab.to_target(ids)
+            added = []
+            for value, token in zip(values.tolist(), ids.tolist()):
+                if value <= 0:
+                    break
+                added.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                scores.append((scores[parent] if parent >= 0 else 0.0) + math.log(value))
+                depths.append(depth)
+            return added
+
+        frontier = add_children(-1, root_q, 1)
+        hidden_of = {-1: root_hidden[0, -1]}
+        in_cache: list[int] = []  # expanded nodes, in head cache order after ``base``
+        for level in range(2, max_depth + 1):
+            expand = sorted(frontier, key=lambda node: -scores[node])[:top_k]
+            if not expand:
+                break
+            mask = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool,
+                               device=sequence.device)
+            mask[:, :base] = True
+            slot = {node: base + i for i, node in enumerate(in_cache)}
+            for row, node in enumerate(expand):
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    mask[row, slot[ancestor]] = True
+                    ancestor = parents[ancestor]
+                mask[row, base + len(in_cache) + row] = True
+            positions = torch.tensor([[base - 1 + depths[node] for node in expand]], device=sequence.device)
+            embeds = self.embed(torch.tensor([[tokens[node] for node in expand]], device=sequence.device))
+            features = torch.stack([hidden_of[parents[node]] for node in expand])[None]
+            hidden = self.head(embeds, features, self.cache, mask=mask[None, None], positions=positions)
+            self.forwards += 1
+            in_cache += expand
+            logits = self._logits(hidden[0])
+            probs = sampling.probs(logits)
+            frontier = []
+            for row, node in enumerate(expand):
+                hidden_of[node] = hidden[0, row]
+                node_q[node] = (logits[row], probs[row])
+                frontier += add_children(node, probs[row], level)
+        crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
+
+        kept = sorted(range(len(tokens)), key=lambda node: -scores[node])[:total]
+        kept_set = set(kept)
+        for node in list(kept):  # ties aside a child never outranks its parent; make sure anyway
+            while parents[node] >= 0 and parents[node] not in kept_set:
+                node = parents[node]
+                kept_set.add(node)
+        order = sorted(kept_set, key=lambda node: (depths[node], -scores[node]))
+        new_index = {node: i for i, node in enumerate(order)}
+        device = sequence.device
+        q = torch.zeros(len(order) + 1, root_q.shape[-1], device=root_q.device)
+        logits = torch.zeros_like(q)
+        q[0], logits[0] = root_q, root_logits
+        for node in order:
+            if node in node_q:
+                logits[new_index[node] + 1], q[new_index[node] + 1] = node_q[node]
+        return Draft(torch.tensor([tokens[node] for node in order], device=device),
+                     torch.tensor([new_index.get(parents[node], -1) for node in order], device=device),
+                     q, logits, self.vocab, sampled=False)

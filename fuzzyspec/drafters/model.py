@@ -1,0 +1,55 @@
+"""The model drafter: a small causal LM sharing the target's vocabulary, drafting token by token."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from ..core.draft import BaseDrafter, Budget, Draft
+from ..core.kvcache import crop_to
+from ..core.sampling import Sampling
+from ..core.vocab import DraftVocab
+from .chain import common_prefix, draft_chain
+
+
+class ModelDrafter(BaseDrafter):
+    """A small causal LM sharing the target's vocabulary, drafting autoregressively.
+
+    Its KV cache survives between steps: at each ``propose`` it is cropped back to
+    the longest prefix it shares with the accepted sequence and only the new tokens
+    are fed, so the prompt is never recomputed.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, vocab: DraftVocab | None = None) -> None:
+        """``vocab``: the id map of a reduced LM head (its logits then cover those N tokens only)."""
+        super().__init__()
+        self.model = model
+        self.vocab_size = vocab_size
+        self.vocab = vocab
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.cached: Tensor | None = None  # the tokens whose keys and values are in the cache
+
+    @torch.inference_mode()
+    def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
+                generator: torch.Generator | None) -> Draft:
+        kept = 0 if self.cached is None else common_prefix(self.cached, sequence)
+        kept = min(kept, sequence.shape[1] - 1)  # always feed at least one token
+        crop_to(self.cache, kept)
+        fed: list[Tensor] = []  # drafted tokens fed to the model (all but the last, unless drafting stopped early)
+
+        def forward(feed: Tensor) -> Tensor:
+            out = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.forwards += 1
+            logits = out.logits[:, -1]
+            return logits if self.vocab is not None else logits[:, : self.vocab_size]
+
+        def advance(token: Tensor) -> Tensor:
+            fed.append(token)
+            return forward(token)
+
+        draft = draft_chain(forward(sequence[:, kept:]), advance, budget, sampling, generator, self.vocab)
+        self.cached = torch.cat([sequence, *fed], 1)
+        return draft

@@ -1,0 +1,135 @@
+"""Drafters by name: the one place that turns ``--draft NAME`` into a drafter, for the CLI, the Python API,
+bench, the server, the transformers hook and the lm-eval model alike.
+
+Names:
+
+- ``default``: the drafter of the default job (``options.DEFAULT_JOB``) for the embedded target;
+- ``draft``: the draft LM shipped for the embedded target; ``eagle``: the EAGLE head shipped for it;
+- ``eagle:DIR``: any EAGLE head folder (ours, or an official EAGLE-1/2 or EAGLE-3 release);
+- ``self:N``: the target's own first N layers (no training; weak);
+- ``lookup`` or ``lookup:N``: prompt lookup with n-grams of up to N tokens (default 3; no weights);
+- anything else: a draft model sharing the target's vocabulary (a folder, a ``.gguf`` file, a folder
+  saved by ``fuzzyspec train draft``, or a Hugging Face id ``org/name``).
+
+``describe`` checks a name and says what it drafts without loading anything (so a bad name is refused
+at once, before any model loads); ``load_drafter`` loads it into a ``DrafterSource``: the weights, loaded
+once, and ``new(vocab_size)``, which makes a fresh drafter for one sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..core.draft import Drafter
+from ..loading import EMBEDDED, LoadError, check_model_name, check_vocabularies, load_model, shipped
+from ..options import DEFAULT_DRAFT, DEFAULT_JOB
+from .draftlm import DraftLM, is_shared_draft, load_draft_lm, self_draft
+from .eagle import EagleDrafter, head_logits, load_any_head
+from .lookup import LookupDrafter
+from .model import ModelDrafter
+
+SHIPPED_KINDS = ("draft", "eagle")
+NAMES_HELP = ("'default' (the default job's drafter), 'draft', 'eagle', eagle:DIR, lookup, lookup:N, self:N, or a "
+              "draft model: a folder, a .gguf file or a Hugging Face id (org/name)")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What a drafter name stands for, known before anything loads."""
+
+    name: str
+    drafts_trees: bool
+
+
+@dataclass
+class DrafterSource:
+    """A loaded drafter: ``name`` as asked, ``module`` its weights (None for prompt lookup), ``new(vocab_size)``
+    a fresh per-sequence drafter for a pair sharing ``vocab_size`` logit columns, ``width`` the
+    target-vocabulary columns its logits cover (None: any)."""
+
+    name: str
+    module: torch.nn.Module | None
+    new: Callable[[int], Drafter]
+    width: int | None = None
+    drafts_trees: bool = False
+
+
+def describe(name: str) -> DrafterSpec:
+    """Check a drafter name (see the module docstring) and say what it drafts, loading nothing. A name that
+    is neither one of ours, nor a path that exists, nor a Hugging Face id that can be had is refused with
+    a ``LoadError`` listing the valid names."""
+    if name in (DEFAULT_DRAFT, *SHIPPED_KINDS):
+        return DrafterSpec(name, (DEFAULT_JOB["draft"] if name == DEFAULT_DRAFT else name) == "eagle")
+    if name.startswith("eagle:"):
+        folder = Path(name[len("eagle:"):]).expanduser()
+        if not folder.is_dir():
+            raise LoadError(f"EAGLE head folder not found: {folder}")
+        return DrafterSpec(name, True)
+    if name == "lookup" or name.startswith("lookup:"):
+        size = name[len("lookup:"):] if ":" in name else "3"
+        if not size.isdigit() or int(size) < 1:
+            raise LoadError(f"prompt lookup is written lookup or lookup:N with N >= 1 (longest n-gram), got {name!r}")
+        return DrafterSpec(name, False)
+    if name.startswith("self:"):
+        if not name[len("self:"):].isdigit():
+            raise LoadError(f"a self draft is written self:N with N a number of layers, got {name!r}")
+        return DrafterSpec(name, False)
+    check_model_name(name, f"unknown drafter {name!r}; valid: {NAMES_HELP}")
+    return DrafterSpec(name, False)
+
+
+def load_drafter(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                 target_name: str | None = None, dtype: str = "auto", device: str = "cpu") -> DrafterSource:
+    """Load the drafter ``name`` (see the module docstring) for ``target``."""
+    describe(name)
+    source = _load(DEFAULT_JOB["draft"] if name == DEFAULT_DRAFT else name, target, tokenizer, target_name, dtype,
+                   device)
+    source.name = name
+    return source
+
+
+def _load(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, target_name: str | None,
+          dtype: str, device: str) -> DrafterSource:
+    if name in SHIPPED_KINDS:
+        if target_name not in (None, EMBEDDED):
+            raise LoadError("the shipped drafters are for the embedded target only: pass --draft for this target")
+        folder = shipped(name)
+        if not (folder / "config.json").is_file():
+            raise LoadError(f"the shipped drafter is missing from {folder}: reinstall fuzzyspec")
+        return _head(name, folder, target) if name == "eagle" else _draft_lm(name, load_draft_lm(folder, target))
+    if name.startswith("eagle:"):
+        return _head(name, Path(name[len("eagle:"):]).expanduser(), target)
+    if name == "lookup" or name.startswith("lookup:"):
+        size = int(name[len("lookup:"):]) if ":" in name else 3
+        return DrafterSource(name, None, lambda vocab_size: LookupDrafter(size))
+    if name.startswith("self:"):
+        try:
+            return _draft_lm(name, DraftLM(self_draft(target, int(name[len("self:"):]))))
+        except ValueError as error:
+            raise LoadError(str(error)) from None
+    if is_shared_draft(name):
+        return _draft_lm(name, load_draft_lm(name, target))
+    draft, draft_tokenizer = load_model(name, dtype, device)
+    if tokenizer is not None:  # the transformers hook has no tokenizer: the logit widths are checked there
+        check_vocabularies(tokenizer, draft_tokenizer)
+    return _draft_lm(name, DraftLM(draft))
+
+
+def _draft_lm(name: str, draft: DraftLM) -> DrafterSource:
+    return DrafterSource(name, draft.model, lambda vocab_size: ModelDrafter(draft.model, vocab_size, draft.vocab),
+                         draft.width)
+
+
+def _head(name: str, folder: Path, target: PreTrainedModel) -> DrafterSource:
+    try:
+        head = load_any_head(folder, target)
+    except (OSError, ValueError) as error:
+        raise LoadError(str(error)) from error
+    logits = head_logits(head, target)
+    return DrafterSource(name, head, lambda vocab_size: EagleDrafter(head, target, vocab_size, logits),
+                         drafts_trees=True)
+

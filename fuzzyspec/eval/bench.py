@@ -1,0 +1,341 @@
+"""Accuracy-speed sweeps: run drafters x rules x divergences x thresholds on a task, one row each.
+
+A sweep lives in one folder. Every finished example is appended to ``generations/<row>.jsonl``
+(completion, counters, timing, scores), so an interrupted sweep resumes where it stopped, example by
+example, and adding thresholds to a finished sweep runs only the new rows. After each row the folder's
+``results.csv``, ``results.json`` and ``curve.png`` are rewritten from everything finished so far.
+
+Speed is new tokens / seconds inside the decoding loop, summed over examples; scoring (running
+HumanEval tests, the target's NLL, agreement with its greedy output) happens outside the timed part.
+Every example is decoded with seed = sweep seed + its index, the same in every row.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from ..api import ModelPair, Result
+from ..core.config import DecodeConfig
+from ..loading import EMBEDDED
+from ..options import BY_NAME, FUZZY
+from .calibrate import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, calibrate_pair
+from .quality import greedy_agreement, target_nll
+from .tasks import Example, Task, get_task
+
+TREE_SUFFIX = "+tree"  # a drafter "eagle+tree" drafts EAGLE-2 trees with the head "eagle"
+COUNTERS = ("new_tokens", "target_forwards", "accepted", "proposed", "wall_s")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every row of a sweep shares; a sweep folder holds rows of one Settings only. ``decoding`` holds
+    the decoding options every row shares (``options.OPTIONS`` names: gamma, sampling, length, seed, ...)."""
+
+    task: str
+    data: str | None = None
+    limit: int | None = None
+    target: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    calibration_prompts: int = CALIBRATION_PROMPTS
+    calibration_tokens: int = CALIBRATION_TOKENS
+    decoding: dict = field(default_factory=lambda: {"seed": 0, "max_new_tokens": 256})
+
+    def option(self, name: str):
+        """A decoding option: the sweep's, else its default."""
+        return self.decoding.get(name, BY_NAME[name].default)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One row: a drafter (``draft``, by registry name; "ar" for none) and a rule with its divergence and
+    threshold. A row may name ``target_acceptance`` instead of a threshold; T is then calibrated first."""
+
+    draft: str
+    rule: str
+    divergence: str | None = None
+    threshold: float | None = None
+    target_acceptance: float | None = None
+
+    @property
+    def key(self) -> str:
+        parts = [self.draft, self.rule]
+        if self.rule in FUZZY:
+            parts += [self.divergence or "", f"acc={self.target_acceptance:g}" if self.threshold is None
+                      else f"T={self.threshold:g}"]
+        return " ".join(parts)
+
+    @property
+    def file_name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9=.+-]+", "_", self.key) + ".jsonl"
+
+
+def plan(drafts: list[str], rules: list[str], divergences: list[str], thresholds: list[float],
+         target_acceptances: list[float] = ()) -> list[Spec]:
+    """The rows of a sweep, AR first, then per drafter its SD row and its fuzzy rows."""
+    specs = [Spec("ar", "ar")] if "ar" in drafts else []
+    for draft in (d for d in drafts if d != "ar"):
+        if "sd" in rules:
+            specs.append(Spec(draft, "sd"))
+        for rule in (r for r in rules if r in FUZZY):
+            for divergence in divergences:
+                specs += [Spec(draft, rule, divergence, t) for t in thresholds]
+                specs += [Spec(draft, rule, divergence, target_acceptance=a) for a in target_acceptances]
+    unknown = set(rules) - {"sd", *FUZZY}
+    if unknown:
+        raise ValueError(f"unknown rule(s) {', '.join(sorted(unknown))}; valid: sd, {', '.join(FUZZY)}")
+    if not specs:
+        raise ValueError("the sweep is empty: give --drafts ar and/or a drafter with --rules")
+    return specs
+
+
+def hardware(device: str) -> str:
+    """A short description of what the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}, {torch.get_num_threads()} threads"
+    if device != "cpu" and torch.cuda.is_available():
+        text = f"{torch.cuda.get_device_name()} ({text})"
+    return text
+
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:  # a line cut by an interruption: redo that example
+                    continue
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    """Append one record as a line. A last line cut by an interruption is ended first, so it stays one bad
+    line (skipped when read, its example redone) instead of gluing onto this record."""
+    with path.open("a+b") as file:
+        file.seek(0, 2)
+        if file.tell():
+            file.seek(-1, 2)
+            if file.read(1) != b"\n":
+                file.write(b"\n")
+        file.write((json.dumps(record) + "\n").encode())
+
+
+@dataclass
+class Sweep:
+    """A sweep folder: its settings, the loaded models, and the rows run so far."""
+
+    settings: Settings
+    out: Path
+    progress: bool = True
+    task: Task = field(init=False)
+    examples: list[Example] = field(init=False)
+    _pairs: dict[str, ModelPair] = field(init=False, default_factory=dict)
+    _warm: set[str] = field(init=False, default_factory=set)
+    _ids: dict[str, torch.Tensor] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self._check_settings()
+        self.task = get_task(self.settings.task, self.settings.data)
+        self.examples = self.task.examples(self.settings.limit)
+        if not self.examples:
+            raise ValueError(f"task {self.settings.task!r} has no examples")
+
+    def _check_settings(self) -> None:
+        mine = dataclasses.asdict(self.settings)
+        path = self.out / "sweep.json"
+        if path.is_file():
+            theirs = json.loads(path.read_text())
+            flat = {k: v for k, v in mine.items() if k != "decoding"} | mine["decoding"]  # name the option itself
+            saved = {k: v for k, v in theirs.items() if k != "decoding"} | (theirs.get("decoding") or {})
+            differ = sorted(k for k in flat.keys() | saved.keys() if saved.get(k) != flat.get(k))
+            if differ:
+                raise ValueError(f"{self.out} holds a sweep with other settings ({', '.join(differ)} differ): "
+                                 f"use another --out")
+        (self.out / "generations").mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(mine, indent=2) + "\n")
+
+    # -- models -------------------------------------------------------------------------------------
+    def pair(self, draft: str) -> ModelPair:
+        """The target with the drafter ``draft`` names (one target in memory for all of them)."""
+        name = draft.removesuffix(TREE_SUFFIX)
+        if name not in self._pairs:
+            s = self.settings
+            if not self._pairs:
+                base = ModelPair.load(s.target, None, s.dtype, s.device)
+                self._pairs["ar"] = base
+            base = self._pairs["ar"]
+            if name != "ar":
+                self._pairs[name] = base.with_drafter(name, s.target)
+        return self._pairs[name]
+
+    def ids(self, example: Example) -> torch.Tensor:
+        if example.id not in self._ids:
+            self._ids[example.id] = self.pair("ar").encode(example.prompt)
+        return self._ids[example.id]
+
+    def config(self, spec: Spec, threshold: float | None, **overrides: Any) -> DecodeConfig:
+        """The row's decoding: the sweep's options, the row's rule, and trees where the drafter's name asks
+        for them (``+tree``; the default drafter drafts them anyway, as the default job does)."""
+        options = dict(self.settings.decoding, method=spec.rule)
+        if spec.draft.endswith(TREE_SUFFIX):
+            options["tree"] = True
+        if spec.rule in FUZZY:
+            options.update(divergence=spec.divergence, threshold=threshold)
+        return self.pair(spec.draft).config(**(options | overrides))
+
+    def generate(self, spec: Spec, ids: torch.Tensor, config: DecodeConfig) -> Result:
+        return self.pair(spec.draft).generate(ids, stop=self.task.stop, config=config)
+
+    # -- thresholds ---------------------------------------------------------------------------------
+    def threshold(self, spec: Spec) -> float | None:
+        """The row's T: given, or calibrated on the first examples (and remembered in calibrations.json)."""
+        if spec.rule not in FUZZY or spec.threshold is not None:
+            return spec.threshold
+        path = self.out / "calibrations.json"
+        known = json.loads(path.read_text()) if path.is_file() else {}
+        if spec.key not in known:
+            s = self.settings
+            config = self.config(spec, 0.0, max_new_tokens=s.calibration_tokens, seed=s.option("seed"))
+            sample = [e.prompt for e in self.examples[: s.calibration_prompts]]
+            known[spec.key] = calibrate_pair(self.pair(spec.draft), config, "acceptance", spec.target_acceptance,
+                                             sample, self.task.stop, self.progress).to_dict()
+            path.write_text(json.dumps(known, indent=2) + "\n")
+        return known[spec.key]["threshold"]
+
+    # -- rows ---------------------------------------------------------------------------------------
+    def _is_greedy_ar(self, spec: Spec) -> bool:
+        return spec.rule == "ar" and self.settings.option("temperature") == 0
+
+    def references(self, specs: list[Spec], done: dict[str, dict[str, dict]]) -> dict[str, list[int]]:
+        """The target's greedy output per example (for agreement), kept on disk. A greedy AR row
+        produces it anyway (and runs first), so only what no such row will produce is computed here."""
+        known = {r["id"]: r["tokens"] for r in _read_jsonl(self.out / "greedy_reference.jsonl")}
+        coming = {e.id for spec in specs if self._is_greedy_ar(spec) for e in self.examples
+                  if e.id not in done[spec.key]}
+        spec = Spec("ar", "ar")
+        missing = [e for e in self.examples if e.id not in known and e.id not in coming]
+        for example in tqdm(missing, desc="greedy reference", leave=False, disable=not self.progress):
+            config = self.config(spec, None, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+            self._remember(known, example.id, self.generate(spec, self.ids(example), config).tokens)
+        return known
+
+    def _remember(self, references: dict[str, list[int]], example_id: str, tokens: list[int]) -> None:
+        if example_id not in references:
+            references[example_id] = tokens
+            _append_jsonl(self.out / "greedy_reference.jsonl", {"id": example_id, "tokens": tokens})
+
+    def _all_specs(self, specs: list[Spec]) -> list[Spec]:
+        """These rows after every row an earlier run of this folder asked for (kept in specs.json), so
+        that the folder's results always hold all of its rows."""
+        path = self.out / "specs.json"
+        known = [Spec(**spec) for spec in json.loads(path.read_text())] if path.is_file() else []
+        merged = list({spec.key: spec for spec in known + specs}.values())
+        path.write_text(json.dumps([dataclasses.asdict(spec) for spec in merged], indent=1) + "\n")
+        return merged
+
+    def run(self, specs: list[Spec]) -> list[dict]:
+        """Run every row not yet finished (with one progress bar over all their examples); return all the
+        folder's finished rows. A greedy AR row runs first, so that its outputs can serve as the greedy
+        reference."""
+        specs = sorted(self._all_specs(specs), key=lambda spec: not self._is_greedy_ar(spec))
+        done = {spec.key: {r["id"]: r for r in _read_jsonl(self.out / "generations" / spec.file_name)}
+                for spec in specs}
+        todo = sum(len([e for e in self.examples if e.id not in done[s.key]]) for s in specs)
+        references = self.references(specs, done) if self.task.compare_to_greedy and todo else None
+        bar = tqdm(total=todo, desc="bench", unit="example", disable=not self.progress)
+        for spec in specs:
+            missing = [(i, e) for i, e in enumerate(self.examples) if e.id not in done[spec.key]]
+            if not missing:
+                continue
+            bar.set_description(spec.key)
+            threshold = self.threshold(spec)
+            self._warm_up(spec, threshold)
+            for index, example in missing:
+                record = self._run_example(spec, threshold, index, example, references)
+                _append_jsonl(self.out / "generations" / spec.file_name, record)
+                done[spec.key][example.id] = record
+                bar.update()
+            self.write([s for s in specs if len(done[s.key]) == len(self.examples)], done)
+        bar.close()
+        finished = [s for s in specs if len(done[s.key]) == len(self.examples)]
+        return self.write(finished, done)
+
+    def _warm_up(self, spec: Spec, threshold: float | None) -> None:
+        """One short untimed call per drafter, so the first timed example pays no one-off costs."""
+        if spec.draft in self._warm:
+            return
+        config = self.config(spec, threshold, max_new_tokens=8, seed=0)
+        self.generate(spec, self.ids(self.examples[0]), config)
+        self._warm.add(spec.draft)
+
+    def _run_example(self, spec: Spec, threshold: float | None, index: int, example: Example,
+                     references: dict[str, list[int]] | None) -> dict:
+        ids = self.ids(example)
+        config = self.config(spec, threshold, seed=self.settings.option("seed") + index)
+        result = self.generate(spec, ids, config)
+        stats = result.stats
+        scores = dict(self.task.score(example, result.text))
+        pair = self.pair(spec.draft)
+        scores["nll"] = target_nll(pair.target, ids, result.tokens, pair.vocab_size)
+        if references is not None:
+            if self._is_greedy_ar(spec):
+                self._remember(references, example.id, result.tokens)
+            scores |= greedy_agreement(result.tokens, references[example.id])
+        return {"id": example.id, "completion": result.text, "finish_reason": result.finish_reason,
+                "threshold": threshold, **{k: getattr(stats, k) for k in COUNTERS}, "scores": scores}
+
+    def row(self, spec: Spec, records: list[dict]) -> dict:
+        """One CSV/JSON row: the configuration, the task's metrics (means over examples) and the speed."""
+        s = self.settings
+        total = {k: sum(r[k] for r in records) for k in COUNTERS}
+        names = sorted({k for r in records for k in r["scores"]}, key=lambda k: (k != self.task.metric, k))
+        metrics = {}
+        for name in names:
+            values = [r["scores"][name] for r in records if r["scores"].get(name) is not None]
+            metrics[name] = sum(values) / len(values) if values else None
+        return {
+            "task": self.task.name, "metric": self.task.metric, "draft": spec.draft, "rule": spec.rule,
+            "divergence": spec.divergence, "threshold": records[0]["threshold"],
+            "target_acceptance": spec.target_acceptance, **metrics,
+            "tokens_per_s": total["new_tokens"] / total["wall_s"] if total["wall_s"] else 0.0,
+            "mean_accepted": total["new_tokens"] / max(total["target_forwards"], 1),
+            "acceptance_rate": total["accepted"] / total["proposed"] if total["proposed"] else None,
+            "target_forwards": total["target_forwards"], "new_tokens": total["new_tokens"],
+            "prompts": len(records), "seed": s.option("seed"), "target": s.target or EMBEDDED,
+            "dtype": s.dtype, "device": s.device, "temperature": s.option("temperature"), "top_k": s.option("top_k"),
+            "top_p": s.option("top_p"), "gamma": s.option("gamma"), "max_new_tokens": s.option("max_new_tokens"), "hardware": hardware(s.device), "key": spec.key,
+        }
+
+    def write(self, specs: list[Spec], done: dict[str, dict[str, dict]]) -> list[dict]:
+        """Rewrite results.csv, results.json and curve.png from the finished rows."""
+        from .plot import plot_curve  # matplotlib loads only when there is something to draw
+
+        ids = [e.id for e in self.examples]
+        rows = [self.row(spec, [done[spec.key][i] for i in ids]) for spec in specs]
+        if not rows:
+            return rows
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        with (self.out / "results.csv").open("w", newline="") as file:
+            writer = csv.DictWriter(file, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        (self.out / "results.json").write_text(json.dumps(
+            {"settings": dataclasses.asdict(self.settings), "rows": rows}, indent=2) + "\n")
+        plot_curve(rows, self.out / "curve.png", self.task.metric, self.task.higher_is_better,
+                   title=f"{self.task.name}, {len(self.examples)} examples, {rows[0]['target']}\n{rows[0]['hardware']}")
+        return rows

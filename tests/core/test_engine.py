@@ -1,0 +1,213 @@
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import noisy_copy, tiny_llama
+from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.engine import decode
+from fuzzyspec.core.divergences import divergence
+from fuzzyspec.core.draft import Budget
+from fuzzyspec.drafters.model import ModelDrafter
+from fuzzyspec.core.kvcache import crop_to
+from fuzzyspec.core.rules import RULES
+from fuzzyspec.core.sampling import Sampling
+from stats_util import chi_square_p_value
+
+V = 32
+PROMPTS = [[1, 5, 9, 3, 7, 2], [4], [8, 8, 8, 1, 0, 30, 31, 2, 2, 6, 17]]
+
+
+def run(target, draft, prompt, **options):
+    sampling = Sampling(**{k: options.pop(k) for k in ("temperature", "top_k", "top_p") if k in options})
+    config = DecodeConfig(sampling=sampling, **options)
+    vocab = target.config.vocab_size
+    drafter = ModelDrafter(draft, vocab) if draft is not None else None
+    tokens, stats = decode(target, drafter, torch.as_tensor(prompt).view(1, -1), config, vocab)
+    return tokens[0].tolist(), stats
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("options", [dict(gamma=1), dict(gamma=4), dict(gamma=7),
+                                     dict(gamma=3, gamma_schedule="heuristic"),
+                                     dict(gamma=5, draft_confidence=0.4)])
+def test_greedy_sd_is_the_targets_greedy_output(target, draft, prompt, options):
+    expected = hf_greedy(target, prompt, 40)
+    tokens, stats = run(target, draft, prompt, method="sd", max_new_tokens=40, **options)
+    assert tokens == expected
+    assert stats.accepted > 0 and stats.accepted < stats.proposed  # both paths taken
+
+
+def test_greedy_ar_is_the_targets_greedy_output(target, prompt):
+    tokens, stats = run(target, None, prompt.tolist()[0], method="ar", max_new_tokens=30)
+    assert tokens == hf_greedy(target, prompt.tolist()[0], 30)
+    assert stats.target_forwards == 30 and stats.mean_accepted == 1.0 and stats.proposed == 0
+
+
+@pytest.mark.parametrize("greedy_drafts", [False, True])
+def test_sampled_sd_has_the_targets_distribution(greedy_drafts):
+    """Two sampled tokens per run, 1,500 runs: the joint distribution of (t1, t2) must be
+    the target's own p(t1) p(t2 | t1) (chi-square), although the draft differs; also when the
+    draft proposes its argmax while the target samples (the reference code's drafting)."""
+    target = tiny_llama(vocab_size=6, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.1)  # flatter distributions: every cell gets counts
+    draft = noisy_copy(target, 0.8, seed=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        p1 = target(prompt).logits[0, -1].softmax(-1)
+        following = torch.cat([prompt.expand(6, -1), torch.arange(6).view(6, 1)], 1)
+        p2 = target(following).logits[:, -1].softmax(-1)
+    exact = p1[:, None] * p2  # [t1, t2]
+    counts = torch.zeros(6, 6)
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=2, sampling=Sampling(temperature=1.0),
+                          greedy_drafts=greedy_drafts)
+    drafter = ModelDrafter(draft, 6)
+    accepted = 0
+    for seed in range(1500):
+        tokens, stats = decode(target, drafter, prompt, DecodeConfig(**{**config.__dict__, "seed": seed}), 6)
+        counts[tokens[0, 0], tokens[0, 1]] += 1
+        accepted += stats.accepted
+    assert 100 < accepted < 1400  # the draft is neither always right nor always wrong
+    assert chi_square_p_value(counts, exact) > 1e-3
+
+
+def test_greedy_drafts_are_the_drafts_argmax_while_sampling(target, draft):
+    sampling = Sampling(temperature=1.0)
+    sequence = torch.tensor([PROMPTS[2]])
+    argmax = ModelDrafter(draft, V).propose(sequence, Budget(4), Sampling(), None).tokens
+    for seed in range(5):
+        drafted = ModelDrafter(draft, V).propose(sequence, Budget(4, greedy=True), sampling,
+                                                 torch.Generator().manual_seed(seed))
+        assert drafted.tokens.tolist() == argmax.tolist() and not drafted.sampled
+    sampled = {tuple(ModelDrafter(draft, V).propose(sequence, Budget(4), sampling,
+                                                    torch.Generator().manual_seed(seed)).tokens.tolist())
+               for seed in range(5)}
+    assert len(sampled) > 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hybrid_at_zero_equals_sd(target, draft, seed):
+    common = dict(max_new_tokens=40, gamma=4, temperature=1.0, top_k=20, seed=seed, divergence="kl_pq")
+    sd_tokens, sd_stats = run(target, draft, PROMPTS[0], method="sd", **common)
+    hy_tokens, hy_stats = run(target, draft, PROMPTS[0], method="fsd-hybrid", threshold=0.0, **common)
+    assert sd_tokens == hy_tokens
+    assert sd_stats.accepted == hy_stats.accepted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fsd_at_infinity_is_draft_only_decoding(target, draft, temperature):
+    fuzzy, stats = run(target, draft, PROMPTS[0], method="fsd", threshold=math.inf, temperature=temperature,
+                       seed=7, max_new_tokens=33)
+    alone, _ = run(draft, None, PROMPTS[0], method="ar", temperature=temperature, seed=7, max_new_tokens=33)
+    assert fuzzy == alone
+    assert stats.target_forwards == 0 and stats.acceptance_rate == 1.0
+
+
+def test_fsd_acceptance_grows_with_threshold(target, draft):
+    _, probe = run(target, draft, PROMPTS[2], method="fsd", divergence="js", threshold=0.0, max_new_tokens=40)
+    rates = []
+    for threshold in [0.0, probe.divergence_quantiles()["q50"], math.inf]:
+        _, stats = run(target, draft, PROMPTS[2], method="fsd", divergence="js", threshold=threshold,
+                       max_new_tokens=40)
+        rates.append(stats.acceptance_rate)
+    assert rates[0] == 0.0  # D = 0 needs identical distributions
+    assert rates[0] < rates[1] < rates[2] == 1.0
+
+
+def reference_decode(target, draft, prompt, method, config):
+    """The same algorithm with no KV caches at all: every forward recomputes the whole sequence."""
+    sampling, g = config.sampling, torch.Generator().manual_seed(config.seed)
+    sequence = torch.tensor([prompt])
+    with torch.no_grad():
+        while (remaining := config.max_new_tokens - (sequence.shape[1] - len(prompt))) > 0:
+            context, drafts, q = sequence, [], []
+            for _ in range(min(config.gamma, remaining - 1)):
+                logits = draft(context).logits[:, -1]
+                probs = sampling.probs(logits)
+                token = sampling.pick(logits, probs, g).view(1, 1)
+                drafts.append(token), q.append(probs)
+                context = torch.cat([context, token], 1)
+            k = len(drafts)
+            drafts = torch.cat(drafts, 1) if drafts else torch.empty(1, 0, dtype=torch.long)
+            q = torch.stack(q, 1) if k else torch.empty(1, 0, V)
+            p = sampling.probs(target(torch.cat([sequence, drafts], 1)).logits[:, -(k + 1):])
+            d = divergence(p[:, :k], q, config.divergence)
+            accepted, nxt = RULES[method](drafts, p, q, d, config.threshold, sampling.greedy, g)
+            n = int(accepted)
+            sequence = torch.cat([sequence, drafts[:, :n], nxt.view(1, 1)], 1)[:, : len(prompt) + config.max_new_tokens]
+    return sequence[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("method", ["sd", "fsd", "fsd-hybrid"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cache_rollback_equals_recomputation(target, draft, method, temperature):
+    config = DecodeConfig(method=method, gamma=4, threshold=0.12, seed=3, max_new_tokens=36,
+                          sampling=Sampling(temperature=temperature))
+    tokens, stats = decode(target, ModelDrafter(draft, V), torch.tensor([PROMPTS[0]]), config, V)
+    assert 0 < stats.accepted < stats.proposed
+    assert tokens[0].tolist() == reference_decode(target, draft, PROMPTS[0], method, config)
+
+
+def test_cropped_cache_matches_a_fresh_forward(target):
+    sequence = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.no_grad():
+        cache = DynamicCache()
+        target(sequence[:, :6], past_key_values=cache, use_cache=True)
+        target(torch.tensor([[7, 7, 7]]), past_key_values=cache, use_cache=True)  # rejected drafts
+        crop_to(cache, 6)
+        assert cache.get_seq_length() == 6
+        cached = target(sequence[:, 6:], past_key_values=cache, use_cache=True).logits
+        fresh = target(sequence).logits[:, 6:]
+    assert torch.allclose(cached, fresh, atol=1e-5)
+
+
+def test_eos_inside_accepted_drafts_ends_generation(target):
+    free, _ = run(target, target, PROMPTS[0], method="sd", max_new_tokens=30)
+    eos = free[10]
+    first = free.index(eos)
+    tokens, stats = run(target, target, PROMPTS[0], method="sd", gamma=8, max_new_tokens=30, eos_token_ids=(eos,))
+    assert tokens == free[: first + 1]
+    assert stats.acceptance_rate == 1.0  # the draft is the target: EOS arrived inside accepted drafts
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 13])
+def test_max_new_tokens_is_exact(target, draft, n):
+    tokens, stats = run(target, draft, PROMPTS[0], method="fsd", threshold=0.5, gamma=5, max_new_tokens=n)
+    assert len(tokens) == n == stats.new_tokens
+
+
+def test_statistics_add_up(target, draft):
+    tokens, stats = run(target, draft, PROMPTS[2], method="fsd", threshold=0.4, gamma=4, max_new_tokens=50)
+    assert stats.new_tokens == len(tokens) == 50
+    assert stats.accepted + stats.target_forwards >= stats.new_tokens  # the last step may be cut short
+    assert stats.mean_accepted == pytest.approx(50 / stats.target_forwards)
+    assert stats.proposed == sum(1 for _ in range(stats.proposed))
+    assert len(stats.position_acceptance) == 4 and all(0 <= a <= 1 for a in stats.position_acceptance)
+    assert stats.position_acceptance[0] == pytest.approx(stats.accepted_at[0] / stats.reached_at[0])
+    assert stats.reached_at[0] == stats.target_forwards - sum(1 for _ in [])  or stats.reached_at[0] > 0
+    quantiles = stats.divergence_quantiles()
+    assert quantiles["q10"] <= quantiles["q50"] <= quantiles["q90"]
+    assert stats.draft_forwards >= stats.proposed and stats.wall_s > 0 and stats.tokens_per_s > 0
+
+
+def test_raw_divergence_ignores_processing(target, draft):
+    hot = dict(method="fsd", threshold=0.2, temperature=3.0, seed=1, max_new_tokens=30)
+    _, processed = run(target, draft, PROMPTS[0], **hot)
+    _, raw = run(target, draft, PROMPTS[0], raw_divergence=True, **hot)
+    assert processed.divergence_quantiles() != raw.divergence_quantiles()
+
+
+@pytest.mark.parametrize("bad", [dict(gamma=0), dict(threshold=-0.1), dict(threshold=float("nan")),
+                                 dict(max_new_tokens=0), dict(divergence="cosine"), dict(method="beam"),
+                                 dict(draft_confidence=1.5), dict(gamma_schedule="fast")])
+def test_bad_config_is_rejected(bad):
+    with pytest.raises(ValueError):
+        DecodeConfig(**bad)

@@ -1,0 +1,220 @@
+"""The engine with many rows: each row decodes as it would alone, whatever shares its batch."""
+import pytest
+import torch
+
+from conftest import tiny_llama
+from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.engine import Engine, decode, decode_batch
+from fuzzyspec.drafters.model import ModelDrafter
+from fuzzyspec.drafters.eagle import EagleDrafter
+from fuzzyspec.drafters.eagle3 import make_eagle3
+from fuzzyspec.core.kvcache import PaddedCache
+from fuzzyspec.drafters.lookup import LookupDrafter
+from fuzzyspec.core.sampling import Sampling
+from fuzzyspec.core.vocab import DraftVocab
+
+V = 32
+PROMPTS = [[1, 5, 9, 3, 7, 2], [4], [8, 8, 8, 1, 0, 30, 31, 2, 2, 6, 17], [3, 3], [12, 20, 7, 7, 1]]
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    torch.manual_seed(0)
+    head = make_eagle3(target, DraftVocab(torch.arange(0, V, 2), V))
+    with torch.no_grad():
+        for name, weight in head.named_parameters():
+            if "norm" not in name and weight.requires_grad:
+                weight.normal_(0, 0.3)
+    return head.eval()
+
+
+def drafter_for(kind, target, draft, head):
+    return {"ar": lambda: None, "draft": lambda: ModelDrafter(draft, V), "eagle": lambda: EagleDrafter(head, target, V),
+            "lookup": lambda: LookupDrafter(3)}[kind]()
+
+
+def alone(target, drafter, prompt, config):
+    tokens, stats = decode(target, drafter, torch.tensor([prompt]), config, V)
+    return tokens[0].tolist(), stats
+
+
+@pytest.mark.parametrize("method, extra", [("ar", {}), ("sd", {}), ("fsd", {"threshold": 0.2}),
+                                           ("fsd", {"threshold": 0.6, "divergence": "tv"}),
+                                           ("fsd-hybrid", {"threshold": 0.3})])
+def test_each_row_is_what_it_would_be_alone_greedy(target, draft, method, extra):
+    configs = [DecodeConfig(method=method, gamma=g, max_new_tokens=n, **extra)
+               for g, n in zip([4, 5, 2, 6, 3], [30, 7, 25, 1, 40])]
+    drafters = [None if method == "ar" else ModelDrafter(draft, V) for _ in PROMPTS]
+    batched = decode_batch(target, [torch.tensor([p]) for p in PROMPTS], configs, drafters, V)
+    for prompt, config, (tokens, stats) in zip(PROMPTS, configs, batched):
+        expected, expected_stats = alone(target, None if method == "ar" else ModelDrafter(draft, V), prompt, config)
+        assert tokens == expected
+        assert (stats.accepted, stats.proposed) == (expected_stats.accepted, expected_stats.proposed)
+
+
+def test_rows_mix_drafters_shapes_rules_and_schedules(target, draft, head):
+    """Chains from a draft LM, an EAGLE-3 head and prompt lookup, EAGLE-2 trees, AR, the heuristic gamma
+    schedule and draft-confidence stops, all in one batch."""
+    rows = [("ar", DecodeConfig(method="ar", max_new_tokens=20)),
+            ("draft", DecodeConfig(method="sd", gamma=3, max_new_tokens=20, gamma_schedule="heuristic")),
+            ("eagle", DecodeConfig(method="fsd", threshold=0.3, max_new_tokens=20, tree=True, tree_total_tokens=8,
+                                   tree_depth=3, tree_top_k=3)),
+            ("lookup", DecodeConfig(method="sd", max_new_tokens=20)),
+            ("eagle", DecodeConfig(method="fsd-hybrid", threshold=0.1, gamma=4, max_new_tokens=20,
+                                   draft_confidence=0.3)),
+            ("draft", DecodeConfig(method="fsd", divergence="kl_pq", threshold=0.5, max_new_tokens=20)),
+            ("eagle", DecodeConfig(method="sd", max_new_tokens=20, tree=True))]
+    prompts = [PROMPTS[i % len(PROMPTS)] * 2 for i in range(len(rows))]
+    drafters = [drafter_for(kind, target, draft, head) for kind, _ in rows]
+    batched = decode_batch(target, [torch.tensor([p]) for p in prompts], [c for _, c in rows], drafters, V)
+    for prompt, (kind, config), (tokens, stats) in zip(prompts, rows, batched):
+        expected, expected_stats = alone(target, drafter_for(kind, target, draft, head), prompt, config)
+        assert tokens == expected, kind
+        assert stats.accepted == expected_stats.accepted
+        if kind in ("draft", "eagle"):
+            assert stats.proposed > 0
+
+
+@pytest.mark.parametrize("method", ["sd", "fsd", "fsd-hybrid"])
+def test_seeded_sampling_rows_match_decoding_alone(target, draft, head, method):
+    configs = [DecodeConfig(method=method, threshold=0.3, max_new_tokens=24, seed=seed,
+                            sampling=Sampling(temperature=0.9, top_k=20)) for seed in range(len(PROMPTS))]
+    kinds = ["draft", "eagle", "lookup", "draft", "eagle"]
+    drafters = [drafter_for(kind, target, draft, head) for kind in kinds]
+    batched = decode_batch(target, [torch.tensor([p]) for p in PROMPTS], configs, drafters, V)
+    for prompt, config, kind, (tokens, _) in zip(PROMPTS, configs, kinds, batched):
+        assert tokens == alone(target, drafter_for(kind, target, draft, head), prompt, config)[0]
+
+
+def test_rows_join_and_leave_between_steps(target, draft):
+    """Continuous batching: rows arrive at different steps, finish at different steps; compaction runs."""
+    engine = Engine(target, V, compact_after=3)
+    lengths = [12, 30, 5, 20, 16]
+    rows, finished = [], []
+    for i, prompt in enumerate(PROMPTS):
+        config = DecodeConfig(method="fsd", threshold=0.25, gamma=4, max_new_tokens=lengths[i])
+        rows.append(engine.add(torch.tensor([prompt]), config, ModelDrafter(draft, V)))
+        finished += engine.step()
+        finished += engine.step()
+    while engine.rows:
+        finished += engine.step()
+    assert sorted(map(id, finished)) == sorted(map(id, rows))
+    for prompt, row in zip(PROMPTS, rows):
+        assert row.tokens == alone(target, ModelDrafter(draft, V), prompt, row.config)[0]
+        assert row.finish_reason == "length" and len(row.tokens) == row.config.max_new_tokens
+
+
+def test_eos_and_callbacks_stop_a_row(target, draft):
+    full, _ = alone(target, ModelDrafter(draft, V), PROMPTS[0], DecodeConfig(method="sd", max_new_tokens=20))
+    eos = full[6]
+    engine = Engine(target, V)
+    stopped = engine.add(torch.tensor([PROMPTS[0]]), DecodeConfig(method="sd", max_new_tokens=20, eos_token_ids=(eos,)),
+                         ModelDrafter(draft, V))
+    seen = []
+    called = engine.add(torch.tensor([PROMPTS[2]]), DecodeConfig(method="fsd", max_new_tokens=20),
+                        ModelDrafter(draft, V), on_tokens=lambda new: seen.extend(new[0].tolist()) or len(seen) >= 5)
+    while engine.rows:
+        engine.step()
+    assert stopped.tokens == full[: full.index(eos) + 1] and stopped.finish_reason == "stop"
+    assert called.finish_reason == "stop" and seen == called.tokens and 5 <= len(called.tokens) < 20
+
+
+def test_padded_cache_compact_keeps_each_rows_valid_positions(target):
+    cache = PaddedCache(valid=torch.zeros(2, 0, dtype=torch.bool))
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    cache.forward(target, tokens, torch.tensor([[True, True, True, True], [False, True, True, True]]), 1)
+    cache.drop(0, 2)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.cache.layers]
+    cache.compact()
+    assert cache.valid.tolist() == [[False, True, True], [True, True, True]]
+    for (k0, _), layer in zip(before, cache.cache.layers):
+        assert torch.equal(layer.keys[0, :, 1:], k0[0, :, :2]) and torch.equal(layer.keys[1], k0[1, :, 1:])
+
+
+def test_padded_forward_equals_a_plain_forward_of_each_rows_valid_tokens(target):
+    """Holes and left padding are invisible: a row's logits are those of its valid tokens alone."""
+    cache = PaddedCache(valid=torch.zeros(2, 0, dtype=torch.bool))
+    first = torch.tensor([[3, 9, 4, 4, 8], [0, 0, 7, 1, 2]])
+    cache.forward(target, first, torch.tensor([[True] * 5, [False, False, True, True, True]]), 1)
+    cache.drop(0, 3)  # row 0 keeps 3, 9, 4: positions 3 and 4 become holes
+    cache.compact()
+    cache.forward(target, torch.tensor([[6, 6], [5, 5]]), torch.ones(2, 2, dtype=torch.bool), 1)
+    cache.drop(1, cache.length - 1)  # row 1 drops its newest token
+    logits = cache.forward(target, torch.tensor([[11, 12], [13, 14]]), torch.ones(2, 2, dtype=torch.bool), 2).logits
+    for row, tokens in enumerate([[3, 9, 4, 6, 6, 11, 12], [7, 1, 2, 5, 13, 14]]):
+        with torch.no_grad():
+            expected = target(torch.tensor([tokens])).logits[0, -2:]
+        torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tree_pass_and_keeping_a_path_equal_plain_forwards(target):
+    """Tree attention on the padded cache: every node's logits are those of its own path alone, and after
+    ``keep`` moves a path up, the cache is that of the path's tokens."""
+    cache = PaddedCache(valid=torch.zeros(1, 0, dtype=torch.bool))
+    cache.forward(target, torch.tensor([[3, 9, 4]]), torch.ones(1, 3, dtype=torch.bool), 1)
+    # newest token 6, then the tree: 11 and 12 below it, 13 below 11, 14 below 13
+    tokens = torch.tensor([[6, 11, 12, 13, 14]])
+    allowed = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]],
+                           dtype=torch.bool)
+    depths = torch.tensor([[0, 1, 1, 2, 3]])
+    logits = cache.forward(target, tokens, torch.ones(1, 5, dtype=torch.bool), 5, allowed, depths).logits[0]
+    for column, path in [(2, [6, 12]), (4, [6, 11, 13, 14])]:
+        with torch.no_grad():
+            expected = target(torch.tensor([[3, 9, 4] + path])).logits[0, -1]
+        torch.testing.assert_close(logits[column], expected, rtol=1e-4, atol=1e-4)
+    cache.keep(0, 3, 5, [0, 1, 3])  # keep 6, 11, 13
+    cache.crop_unused()
+    assert cache.length == 6
+    after = cache.forward(target, torch.tensor([[20]]), torch.ones(1, 1, dtype=torch.bool), 1).logits[0, -1]
+    with torch.no_grad():
+        expected = target(torch.tensor([[3, 9, 4, 6, 11, 13, 20]])).logits[0, -1]
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_engine_refuses_what_it_cannot_do(target, draft):
+    engine = Engine(target, V)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        engine.add(torch.tensor([[1, 2]]), DecodeConfig(method="sd"))
+    with pytest.raises(ValueError, match="drafts trees"):
+        engine.add(torch.tensor([[1, 2]]), DecodeConfig(method="sd", tree=True), ModelDrafter(draft, V))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add(torch.tensor([[]], dtype=torch.long), DecodeConfig(method="ar"))
+    assert not engine.rows
+
+
+def test_draft_only_rows_decode_alone_beside_verified_ones(target, draft):
+    configs = [DecodeConfig(method="fsd", threshold=float("inf"), max_new_tokens=15),
+               DecodeConfig(method="sd", max_new_tokens=15)]
+    batched = decode_batch(target, [torch.tensor([PROMPTS[0]]), torch.tensor([PROMPTS[2]])], configs,
+                           [ModelDrafter(draft, V), ModelDrafter(draft, V)], V)
+    draft_alone = draft.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=15, do_sample=False)[0, 6:].tolist()
+    assert batched[0][0] == draft_alone and batched[0][1].target_forwards == 0
+    assert batched[1][0] == alone(target, ModelDrafter(draft, V), PROMPTS[2], configs[1])[0]
+
+
+def test_a_failed_add_leaves_the_batch_intact(target, draft, monkeypatch):
+    engine = Engine(target, V)
+    config = DecodeConfig(method="sd", max_new_tokens=15)
+    row = engine.add(torch.tensor([PROMPTS[0]]), config, ModelDrafter(draft, V))
+    engine.step()
+    original = type(target).forward
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(type(target), "forward", broken)  # the prefill of the next prompt fails
+    with pytest.raises(RuntimeError):
+        engine.add(torch.tensor([PROMPTS[2]]), config, ModelDrafter(draft, V))
+    monkeypatch.setattr(type(target), "forward", original)
+    while engine.rows:
+        engine.step()
+    assert row.tokens == alone(target, ModelDrafter(draft, V), PROMPTS[0], config)[0]
+
+
+def test_eager_attention_gets_an_additive_mask(draft):
+    eager = tiny_llama(seed=0)
+    eager.set_attn_implementation("eager")
+    configs = [DecodeConfig(method="fsd", threshold=0.3, max_new_tokens=20) for _ in PROMPTS]
+    batched = decode_batch(eager, [torch.tensor([p]) for p in PROMPTS], configs,
+                           [ModelDrafter(draft, V) for _ in PROMPTS], V)
+    for prompt, config, (tokens, _) in zip(PROMPTS, configs, batched):
+        assert tokens == alone(eager, ModelDrafter(draft, V), prompt, config)[0]

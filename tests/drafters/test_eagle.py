@@ -1,0 +1,133 @@
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from conftest import tiny_llama
+from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.engine import decode
+from fuzzyspec.drafters.eagle import EagleDrafter
+from fuzzyspec.drafters.eagle_head import EagleHead, load_head
+from fuzzyspec.core.sampling import Sampling
+
+V = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=V, layers=2, seed=2)
+
+
+@pytest.fixture(scope="module")
+def head(model):
+    torch.manual_seed(3)
+    return EagleHead.for_target(model).eval()
+
+
+def features_of(model, tokens):
+    with torch.no_grad():
+        return model(tokens, output_hidden_states=True).hidden_states[-1]
+
+
+def test_cached_forward_equals_full_forward(model, head):
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5]])
+    f, e = features_of(model, tokens), model.get_input_embeddings()(tokens)
+    with torch.no_grad():
+        full = head(e[:, 1:], f[:, :-1])
+        cache = DynamicCache()
+        parts = [head(e[:, 1:4], f[:, :3], cache), head(e[:, 4:5], f[:, 3:4], cache), head(e[:, 5:], f[:, 4:-1], cache)]
+    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
+
+
+def test_release_layout_round_trip(model, head, tmp_path):
+    head.save(tmp_path)
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= keys
+    assert not any("input_layernorm" in k or "embed" in k or "rotary" in k for k in keys)
+    # An official release may come as pytorch_model.bin, with the target's embedding inside.
+    official = tmp_path / "official"
+    official.mkdir()
+    (official / "config.json").write_text((tmp_path / "config.json").read_text())
+    weights = dict(load_file(tmp_path / "model.safetensors"))
+    weights["embed_tokens.weight"] = torch.zeros(V, model.config.hidden_size)
+    torch.save(weights, official / "pytorch_model.bin")
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    f, e = features_of(model, tokens), model.get_input_embeddings()(tokens)
+    with torch.no_grad():
+        expected = head(e[:, 1:], f[:, :-1])
+        for folder in (tmp_path, official):
+            assert torch.equal(load_head(folder, model)(e[:, 1:], f[:, :-1]), expected)
+
+
+def test_wrong_target_is_refused(head, tmp_path):
+    head.save(tmp_path)
+    with pytest.raises(ValueError, match="hidden size"):
+        load_head(tmp_path, tiny_llama(vocab_size=V, hidden=64))
+    with pytest.raises(ValueError, match="config.json"):
+        load_head(tmp_path / "nothing", tiny_llama(vocab_size=V))
+
+
+@pytest.mark.parametrize("method", ["sd", "fsd"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_match_a_recomputation_from_true_features(model, head, method, temperature):
+    """At every step, the first draft's logits equal the head run from scratch on the target's
+    true features of the accepted sequence: the head's cache keeps exactly what stays valid."""
+    drafter = EagleDrafter(head, model, V)
+    original = drafter.propose
+    checked = []
+
+    def checking(sequence, budget, sampling, generator):
+        draft = original(sequence, budget, sampling, generator)
+        f = features_of(model, sequence[:, :-1])
+        with torch.no_grad():
+            e = model.get_input_embeddings()(sequence[:, 1:])
+            expected = model.get_output_embeddings()(head(e, f)[:, -1])
+        assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
+        checked.append(len(draft))
+        return draft
+
+    drafter.propose = checking
+    config = DecodeConfig(method=method, threshold=0.3, gamma=4, max_new_tokens=30, seed=0,
+                          sampling=Sampling(temperature=temperature))
+    tokens, stats = decode(model, drafter, torch.tensor([[5, 6, 7, 8]]), config, V)
+    # The prompt's features come with its prefill, so every step drafts but a last one with room for one token.
+    assert stats.target_forwards - 1 <= len(checked) <= stats.target_forwards
+    assert sum(checked) == stats.proposed
+    if method == "sd" and temperature == 0:
+        assert tokens[0].tolist() == model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=30,
+                                                    do_sample=False)[0, 4:].tolist()
+
+
+def tree_run(model, head, prompt, **options):
+    config = DecodeConfig(tree=True, **options)
+    return decode(model, EagleDrafter(head, model, V), torch.tensor([prompt]), config, V)
+
+
+@pytest.mark.parametrize("shape", [dict(tree_total_tokens=8, tree_depth=3, tree_top_k=2),
+                                   dict(tree_total_tokens=30, tree_depth=6, tree_top_k=5)])
+def test_greedy_tree_decoding_is_the_targets_greedy_output(model, head, shape):
+    prompt = [5, 6, 7, 8, 1]
+    tokens, stats = tree_run(model, head, prompt, method="sd", max_new_tokens=40, **shape)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):]
+    assert tokens[0].tolist() == expected.tolist()
+    assert stats.target_forwards < 40  # the random head's trees still hit the target's argmax sometimes
+
+
+def test_tree_thresholds(model, head):
+    prompt = [2, 4, 6]
+    ar, _ = tree_run(model, head, prompt, method="fsd", threshold=0.0, max_new_tokens=20, seed=1,
+                     sampling=Sampling(temperature=1.0))
+    plain = decode(model, None, torch.tensor([prompt]), DecodeConfig(method="ar", max_new_tokens=20, seed=1,
+                                                                    sampling=Sampling(temperature=1.0)), V)[0]
+    assert ar.tolist() == plain.tolist()  # T = 0: FSD accepts nothing and samples p at the root, as AR
+    _, loose = tree_run(model, head, prompt, method="fsd", threshold=float("inf"), max_new_tokens=40,
+                        tree_depth=4)
+    # T = inf follows the tree to a leaf at every step: each step accepts at least one node.
+    assert loose.accepted >= loose.target_forwards - 1 and loose.mean_accepted > 2
+    for seed in range(3):
+        exact = tree_run(model, head, prompt, method="sd", max_new_tokens=30, seed=seed,
+                         sampling=Sampling(temperature=1.0))[0]
+        hybrid = tree_run(model, head, prompt, method="fsd-hybrid", threshold=0.0, max_new_tokens=30, seed=seed,
+                          sampling=Sampling(temperature=1.0))[0]
+        assert exact.tolist() == hybrid.tolist()
