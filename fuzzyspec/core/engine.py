@@ -7,21 +7,22 @@ One ``Engine.step`` runs one round for every row of the batch:
    nothing to say propose none), within the row's budget (gamma, its schedule,
    draft-confidence stops, the tree shape, the tokens left);
 2. the target scores every row's newest token and all of its drafts in ONE forward
-   pass over a padded KV cache (``kvcache.PaddedCache``): each draft attends to its
-   row's cache, the newest token and its own ancestors, at position newest + depth;
+   (``step.TargetStep``) over a static KV cache (``kvcache.StaticCache``): row b's tokens are
+   written from its length on, and each attends to its row's cache and its own ancestors, at
+   position length + depth;
 3. each row's rule (``rules`` for chains, vectorised; ``tree_rules.walk`` for trees)
    keeps a path of drafts and emits one more token from the target;
-4. each row keeps the newest token and its accepted path in the cache (a path's
-   entries move up; rejected positions become invalid, and positions no row kept
-   are cropped), feature-reading drafters get the target's hidden states of what
-   stays, and rows that reach EOS, their length or a stop callback leave.
+4. each row's length moves past its newest token and accepted path (a tree's path is copied
+   down within the row; what was rejected is left behind and overwritten by the next step),
+   feature-reading drafters get the target's hidden states of what stays, and rows that
+   reach EOS, their length or a stop callback leave, freeing their slot.
 
-Rows join between steps (``add``/``add_many`` prefill their prompts together), and
-each carries its own ``DecodeConfig`` (rule, divergence, threshold, sampling, length,
-seed, gamma schedule, tree shape) and random generator, so a row decodes as it would
-alone (exactly so in greedy mode, up to floating-point rounding). ``decode`` is a
-batch of one. FSD with T = inf on chains accepts every draft: such rows run their
-drafter alone, with no target pass (except drafters that need the target's features).
+Rows join between steps (``add``/``add_many`` prefill their prompts together into free slots),
+and each carries its own ``DecodeConfig`` (rule, divergence, threshold, sampling, length, seed,
+gamma schedule, tree shape) and random generator, so a row decodes as it would alone (exactly
+so in greedy mode, up to floating-point rounding). ``decode`` is a batch of one. FSD with
+T = inf on chains accepts every draft: such rows run their drafter alone, with no target pass
+(except drafters that need the target's features).
 """
 from __future__ import annotations
 
@@ -35,19 +36,21 @@ from torch import Tensor
 from .config import DecodeConfig
 from .draft import Draft, Drafter
 from .judge import Verdict, judge
-from .kvcache import PaddedCache
+from .kvcache import StaticCache, attention_mask, write_positions
 from .sampling import Sampling, sample
 from .scoring import TokenLogprob, log_probs, token_logprobs
 from .stats import Stats
+from .step import Features, TargetStep
 
 Callback = Callable[[Tensor], bool]
+MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a row needs more)
 
 
-def target_features(hidden_states: tuple[Tensor, ...], drafter: Drafter) -> Tensor:
-    """The target's hidden states a feature-reading drafter asks for (``feature_layers``, indices
-    into ``hidden_states``), concatenated on the last dimension."""
-    layers = drafter.feature_layers or [-1]
-    return torch.cat([hidden_states[i] for i in layers], -1) if len(layers) > 1 else hidden_states[layers[0]]
+def target_features(found: Features, drafter: Drafter, layers: int) -> Tensor:
+    """The target's hidden states a feature-reading drafter asks for (``feature_layers``, indices as into
+    Hugging Face's ``hidden_states``, -1 the last), concatenated on the last dimension."""
+    parts = [found[i % (layers + 1)] for i in (drafter.feature_layers or [-1])]
+    return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
 
 @dataclass
@@ -65,7 +68,8 @@ class Job:
 
 @dataclass
 class Row:
-    """One sequence of the batch and everything that decides and records its decoding."""
+    """One sequence of the batch and everything that decides and records its decoding. The cache's slot
+    ``slot`` holds every token of ``sequence`` but the newest."""
 
     config: DecodeConfig
     drafter: Drafter | None
@@ -76,6 +80,7 @@ class Row:
     sequence: Tensor  # [1, L]: the prompt and every emitted token
     prompt_len: int
     gamma: int
+    slot: int
     finish_reason: str | None = None  # "stop" (EOS or the callback) or "length" once finished
     logprobs: int | None = None  # record each emitted token's log-probability and this many top alternatives
     # (token, log p(token), [(token, log p), ...] the top ``logprobs``) per emitted token, under the row's
@@ -102,17 +107,16 @@ class Row:
 class Engine:
     """Continuous batched decoding: rows join with ``add``, ``step`` advances them all, finished rows leave.
 
-    ``slots`` are the cache rows in order; a finished row leaves its slot empty (None) until enough
-    slots are empty to be worth the copy of dropping them (``retire_fraction``). ``rows`` are the
-    rows still decoding.
+    ``target`` is the model, or a ``TargetStep`` (its forward, eager or compiled, shared by every engine
+    on that model). ``slots`` are the cache's rows: a finished row frees its slot, and joining rows take
+    the lowest free ones, so a step runs over the slots up to the highest one in use.
     """
 
-    def __init__(self, target: torch.nn.Module, vocab_size: int, compact_after: int = 64,
-                 retire_fraction: float = 0.25) -> None:
-        self.target, self.vocab_size = target, vocab_size
-        self.compact_after, self.retire_fraction = compact_after, retire_fraction
-        self.device = target.get_input_embeddings().weight.device
-        self.cache = PaddedCache(valid=torch.zeros(0, 0, dtype=torch.bool, device=self.device))
+    def __init__(self, target: torch.nn.Module | TargetStep, vocab_size: int) -> None:
+        self.step_fn = target if isinstance(target, TargetStep) else TargetStep(target)
+        self.target, self.vocab_size = self.step_fn.model, vocab_size
+        self.device = self.target.get_input_embeddings().weight.device
+        self.cache: StaticCache | None = None
         self.slots: list[Row | None] = []
 
     @property
@@ -127,44 +131,71 @@ class Engine:
 
     @torch.inference_mode()
     def add_many(self, jobs: list[Job]) -> list[Row]:
-        """Start decoding several sequences, prefilled together in one left-padded pass. Every job is checked
-        before anything changes, so a bad one leaves the batch as it was."""
+        """Start decoding several sequences, prefilled together in one pass into free slots. Every job is
+        checked before anything changes, so a bad one leaves the batch as it was."""
         for job in jobs:
             _check(job)
         prompts = [job.input_ids.to(self.device) for job in jobs]
-        # Everything but the newest token goes into the cache now; the newest is fed at the first step.
-        width = max(input_ids.shape[1] for input_ids in prompts) - 1
-        heads = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        real = torch.zeros(len(prompts), width, dtype=torch.bool, device=self.device)
-        for b, input_ids in enumerate(prompts):
-            n = input_ids.shape[1] - 1
-            if n:
-                heads[b, width - n:] = input_ids[0, :-1]
-                real[b, width - n:] = True
-        fresh = PaddedCache(valid=torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device))
+        free = [b for b, row in enumerate(self.slots) if row is None]
+        slots = (free + list(range(len(self.slots), len(self.slots) + len(jobs))))[: len(jobs)]
+        longest = max(job.input_ids.shape[1] + job.config.max_new_tokens for job in jobs)
+        self._reserve(1 + max(slots), longest + 1)
         readers = [job.drafter for job in jobs if job.drafter is not None and job.drafter.wants_target_features]
-        out = fresh.forward(self.target, heads, real, 1, hidden_states=bool(readers)) if width else None
-        self._retire(everything=True)
-        self.cache.extend(fresh)
+        found = self._prefill(prompts, slots, readers)
+        self.slots += [None] * (1 + max(slots) - len(self.slots))
         added = []
-        for b, (job, input_ids) in enumerate(zip(jobs, prompts)):
+        for b, (job, input_ids, slot) in enumerate(zip(jobs, prompts, slots)):
             config, drafter = job.config, job.drafter
             generator = torch.Generator(device=self.device)
             if config.seed is None:
                 generator.seed()
             else:
                 generator.manual_seed(config.seed)
+            self.cache.lengths[slot] = input_ids.shape[1] - 1  # the newest token is fed at the first step
             if drafter is not None:
                 drafter.reset()
-                if drafter.wants_target_features and out is not None and input_ids.shape[1] > 1:
-                    n = input_ids.shape[1] - 1
-                    drafter.observe(0, target_features(out.hidden_states, drafter)[b: b + 1, width - n:])
+                if drafter.wants_target_features and found and input_ids.shape[1] > 1:
+                    features = target_features(found, drafter, self.step_fn.layer_count)
+                    drafter.observe(0, features[b: b + 1, : input_ids.shape[1] - 1])
             row = Row(config, drafter, job.on_tokens, generator, Stats(method=config.method), time.perf_counter(),
-                      input_ids, input_ids.shape[1], config.gamma, logprobs=job.logprobs)
+                      input_ids, input_ids.shape[1], config.gamma, slot, logprobs=job.logprobs)
             row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
-            self.slots.append(row)
+            self.slots[slot] = row
             added.append(row)
         return added
+
+    def _reserve(self, slots: int, length: int) -> None:
+        """Make the cache hold ``slots`` rows of ``length`` positions at least (doubling its capacity)."""
+        if self.cache is None:
+            capacity = MIN_CAPACITY
+            while capacity < length:
+                capacity *= 2
+            config = self.target.config
+            dtype = self.target.get_input_embeddings().weight.dtype
+            self.cache = StaticCache.for_model(config, slots, capacity, dtype, self.device)
+            return
+        capacity = self.cache.capacity
+        while capacity < length:
+            capacity *= 2
+        self.cache.grow(slots, capacity)
+
+    def _prefill(self, prompts: list[Tensor], slots: list[int], readers: list[Drafter]) -> Features:
+        """Put every prompt token but the newest into its slot's cache, all prompts in one causal pass."""
+        width = max(input_ids.shape[1] for input_ids in prompts) - 1
+        if width == 0:
+            return {}
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for b, input_ids in enumerate(prompts):
+            tokens[b, : input_ids.shape[1] - 1] = input_ids[0, :-1]
+        starts = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        mask = attention_mask(starts, causal.expand(len(prompts), width, width), self.cache.capacity)
+        positions = write_positions(starts, width)
+        layers = {layer for drafter in readers for layer in drafter.feature_layers or [-1]}
+        features = tuple(sorted(layer % (self.step_fn.layer_count + 1) for layer in layers))
+        _, found = self.step_fn(self.cache, tokens, positions, positions, mask,
+                                torch.tensor(slots, device=self.device), 1, features)
+        return found
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
@@ -188,38 +219,41 @@ class Engine:
             row.stats.new_tokens = row.generated
             row.stats.wall_s = time.perf_counter() - row.started
             row.stats.draft_forwards += row.drafter.forwards if row.drafter is not None else 0
-        self.slots = [None if row is None or row.done else row for row in self.slots]
-        self._retire()
-        if self.cache.rows and self.cache.holes > self.compact_after:
-            self.cache.compact()
+            self.slots[row.slot] = None
+            self.cache.lengths[row.slot] = 0
+        while self.slots and self.slots[-1] is None:
+            self.slots.pop()
         return finished
 
     def _verify(self, drafts: dict[int, Draft | None]) -> None:
         """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them."""
         sizes = {b: len(d) if d is not None else 0 for b, d in drafts.items()}
-        width = 1 + max(sizes.values())
-        rows = len(self.slots)
+        width, rows = self.step_fn.shape(1 + max(sizes.values()), len(self.slots))
+        self._reserve(rows, max(self.cache.lengths[:rows]) + width)
         tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        valid = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
-        chains = all(d is None or d.is_chain for d in drafts.values())
-        allowed = None if chains else torch.zeros(rows, width, width, dtype=torch.bool, device=self.device)
-        depths = None if chains else torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        depths = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        tree = torch.eye(width, dtype=torch.bool, device=self.device).repeat(rows, 1, 1)  # padding sees itself
         for b, draft in drafts.items():
             row, n = self.slots[b], sizes[b]
             tokens[b, 0] = row.sequence[0, -1]
-            valid[b, : 1 + n] = True
             if n:
                 tokens[b, 1: 1 + n] = draft.tokens
-            if not chains:
-                allowed[b, 0, 0] = True
-                if n:
-                    allowed[b, 1: 1 + n, 0] = True
-                    allowed[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
+                tree[b, 1: 1 + n, 0] = True
+                if draft.is_chain:
+                    tree[b, : 1 + n, : 1 + n] = torch.ones(1 + n, 1 + n, dtype=torch.bool, device=self.device).tril()
+                    depths[b, : 1 + n] = torch.arange(1 + n, device=self.device)
+                else:
+                    tree[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
                     depths[b, 1: 1 + n] = torch.tensor(draft.depths, device=self.device)
         readers = {b for b in drafts if self.slots[b].drafter is not None and self.slots[b].drafter.wants_target_features}
-        start = self.cache.length
-        out = self.cache.forward(self.target, tokens, valid, width, allowed, depths, hidden_states=bool(readers))
-        logits = out.logits[..., : self.vocab_size]
+        layers = {layer for b in readers for layer in self.slots[b].drafter.feature_layers or [-1]}
+        features = tuple(sorted(layer % (self.step_fn.layer_count + 1) for layer in layers))
+        starts_list = self.cache.lengths[:rows]
+        starts = torch.tensor(starts_list, dtype=torch.long, device=self.device)
+        mask = attention_mask(starts, tree, self.cache.capacity)
+        logits, found = self.step_fn(self.cache, tokens, starts[:, None] + depths, write_positions(starts, width),
+                                     mask, None, 0, features, compiled=True)
+        logits = logits[..., : self.vocab_size]
         verdicts = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
         for b, draft in drafts.items():
             row, n = self.slots[b], sizes[b]
@@ -227,10 +261,11 @@ class Engine:
             verdict = verdicts.get(b) or judge(row.config, draft, logits[b, : 1 + n], row.generator)
             row.stats.accept_s += time.perf_counter() - clock
             kept = [0] + [1 + node for node in verdict.path]
-            self.cache.keep(b, start, width, kept)
+            self.cache.keep(b, starts_list[b], kept)
+            self.cache.lengths[b] = starts_list[b] + len(kept)
             if b in readers:
-                features = target_features(out.hidden_states, row.drafter)[b: b + 1, kept]
-                row.drafter.observe(row.sequence.shape[1] - 1, features)
+                features_b = target_features(found, row.drafter, self.step_fn.layer_count)[b: b + 1, kept]
+                row.drafter.observe(row.sequence.shape[1] - 1, features_b)
             row.stats.target_forwards += 1
             row.stats.record_step(verdict.proposed, len(verdict.path), verdict.d)
             if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
@@ -240,7 +275,6 @@ class Engine:
                 log_p = log_probs(logits[b, kept], row.config.sampling)
                 row.token_logprobs += token_logprobs(log_p, new, row.logprobs)
             self._emit(row, new)
-        self.cache.crop_unused()
 
     def _next_tokens(self, slots: list[int], logits: Tensor) -> dict[int, Verdict]:
         """The next token of every row with no drafts, all at once: greedy rows take the argmax; sampling
@@ -278,16 +312,6 @@ class Engine:
         elif row.remaining <= 0:
             row.finish_reason = "length"
 
-    def _retire(self, everything: bool = False) -> None:
-        """Drop empty slots from the cache: all of them, or once they are ``retire_fraction`` of the batch."""
-        empty = sum(row is None for row in self.slots)
-        if not empty or (not everything and empty < max(1, self.retire_fraction * len(self.slots))
-                         and empty < len(self.slots)):
-            return
-        keep = torch.tensor([i for i, row in enumerate(self.slots) if row is not None], dtype=torch.long)
-        self.slots = [row for row in self.slots if row is not None]
-        self.cache.select(keep)
-
 
 def _check(job: Job) -> None:
     if job.input_ids.dim() != 2 or job.input_ids.shape[0] != 1 or job.input_ids.shape[1] < 1:
@@ -310,7 +334,7 @@ def admit(engine: Engine, take: Callable[[int], list[Job]], max_rows: int, group
 
 
 @torch.inference_mode()
-def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, config: DecodeConfig,
+def decode(target: torch.nn.Module | TargetStep, drafter: Drafter | None, input_ids: Tensor, config: DecodeConfig,
            vocab_size: int, on_tokens: Callback | None = None) -> tuple[Tensor, Stats]:
     """Generate after ``input_ids`` ([1, L]): a batch of one. Returns the new tokens ([1, n]) and statistics.
 
@@ -324,7 +348,7 @@ def decode(target: torch.nn.Module, drafter: Drafter | None, input_ids: Tensor, 
     return row.sequence[:, row.prompt_len:], row.stats
 
 
-def decode_batch(target: torch.nn.Module, prompts: list[Tensor], configs: list[DecodeConfig],
+def decode_batch(target: torch.nn.Module | TargetStep, prompts: list[Tensor], configs: list[DecodeConfig],
                  drafters: list[Drafter | None], vocab_size: int) -> list[tuple[list[int], Stats]]:
     """Decode every prompt ([1, L] each) under its config and drafter, all in one batch."""
     engine = Engine(target, vocab_size)

@@ -5,10 +5,10 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import Engine, decode, decode_batch
+from fuzzyspec.core.step import LlamaForward
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.eagle import EagleDrafter
 from fuzzyspec.drafters.eagle3 import make_eagle3
-from fuzzyspec.core.kvcache import PaddedCache
 from fuzzyspec.drafters.lookup import LookupDrafter
 from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.core.vocab import DraftVocab
@@ -87,8 +87,9 @@ def test_seeded_sampling_rows_match_decoding_alone(target, draft, head, method):
 
 
 def test_rows_join_and_leave_between_steps(target, draft):
-    """Continuous batching: rows arrive at different steps, finish at different steps; compaction runs."""
-    engine = Engine(target, V, compact_after=3)
+    """Continuous batching: rows arrive at different steps, finish at different steps, and later rows take
+    the slots earlier ones freed."""
+    engine = Engine(target, V)
     lengths = [12, 30, 5, 20, 16]
     rows, finished = [], []
     for i, prompt in enumerate(PROMPTS):
@@ -99,6 +100,7 @@ def test_rows_join_and_leave_between_steps(target, draft):
     while engine.rows:
         finished += engine.step()
     assert sorted(map(id, finished)) == sorted(map(id, rows))
+    assert len({row.slot for row in rows}) < len(rows)  # a freed slot was taken again
     for prompt, row in zip(PROMPTS, rows):
         assert row.tokens == alone(target, ModelDrafter(draft, V), prompt, row.config)[0]
         assert row.finish_reason == "length" and len(row.tokens) == row.config.max_new_tokens
@@ -117,58 +119,6 @@ def test_eos_and_callbacks_stop_a_row(target, draft):
         engine.step()
     assert stopped.tokens == full[: full.index(eos) + 1] and stopped.finish_reason == "stop"
     assert called.finish_reason == "stop" and seen == called.tokens and 5 <= len(called.tokens) < 20
-
-
-def test_padded_cache_compact_keeps_each_rows_valid_positions(target):
-    cache = PaddedCache(valid=torch.zeros(2, 0, dtype=torch.bool))
-    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    cache.forward(target, tokens, torch.tensor([[True, True, True, True], [False, True, True, True]]), 1)
-    cache.drop(0, 2)
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.cache.layers]
-    cache.compact()
-    assert cache.valid.tolist() == [[False, True, True], [True, True, True]]
-    for (k0, _), layer in zip(before, cache.cache.layers):
-        assert torch.equal(layer.keys[0, :, 1:], k0[0, :, :2]) and torch.equal(layer.keys[1], k0[1, :, 1:])
-
-
-def test_padded_forward_equals_a_plain_forward_of_each_rows_valid_tokens(target):
-    """Holes and left padding are invisible: a row's logits are those of its valid tokens alone."""
-    cache = PaddedCache(valid=torch.zeros(2, 0, dtype=torch.bool))
-    first = torch.tensor([[3, 9, 4, 4, 8], [0, 0, 7, 1, 2]])
-    cache.forward(target, first, torch.tensor([[True] * 5, [False, False, True, True, True]]), 1)
-    cache.drop(0, 3)  # row 0 keeps 3, 9, 4: positions 3 and 4 become holes
-    cache.compact()
-    cache.forward(target, torch.tensor([[6, 6], [5, 5]]), torch.ones(2, 2, dtype=torch.bool), 1)
-    cache.drop(1, cache.length - 1)  # row 1 drops its newest token
-    logits = cache.forward(target, torch.tensor([[11, 12], [13, 14]]), torch.ones(2, 2, dtype=torch.bool), 2).logits
-    for row, tokens in enumerate([[3, 9, 4, 6, 6, 11, 12], [7, 1, 2, 5, 13, 14]]):
-        with torch.no_grad():
-            expected = target(torch.tensor([tokens])).logits[0, -2:]
-        torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
-
-
-def test_a_tree_pass_and_keeping_a_path_equal_plain_forwards(target):
-    """Tree attention on the padded cache: every node's logits are those of its own path alone, and after
-    ``keep`` moves a path up, the cache is that of the path's tokens."""
-    cache = PaddedCache(valid=torch.zeros(1, 0, dtype=torch.bool))
-    cache.forward(target, torch.tensor([[3, 9, 4]]), torch.ones(1, 3, dtype=torch.bool), 1)
-    # newest token 6, then the tree: 11 and 12 below it, 13 below 11, 14 below 13
-    tokens = torch.tensor([[6, 11, 12, 13, 14]])
-    allowed = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]],
-                           dtype=torch.bool)
-    depths = torch.tensor([[0, 1, 1, 2, 3]])
-    logits = cache.forward(target, tokens, torch.ones(1, 5, dtype=torch.bool), 5, allowed, depths).logits[0]
-    for column, path in [(2, [6, 12]), (4, [6, 11, 13, 14])]:
-        with torch.no_grad():
-            expected = target(torch.tensor([[3, 9, 4] + path])).logits[0, -1]
-        torch.testing.assert_close(logits[column], expected, rtol=1e-4, atol=1e-4)
-    cache.keep(0, 3, 5, [0, 1, 3])  # keep 6, 11, 13
-    cache.crop_unused()
-    assert cache.length == 6
-    after = cache.forward(target, torch.tensor([[20]]), torch.ones(1, 1, dtype=torch.bool), 1).logits[0, -1]
-    with torch.no_grad():
-        expected = target(torch.tensor([[3, 9, 4, 6, 11, 13, 20]])).logits[0, -1]
-    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_engine_refuses_what_it_cannot_do(target, draft):
@@ -197,14 +147,14 @@ def test_a_failed_add_leaves_the_batch_intact(target, draft, monkeypatch):
     config = DecodeConfig(method="sd", max_new_tokens=15)
     row = engine.add(torch.tensor([PROMPTS[0]]), config, ModelDrafter(draft, V))
     engine.step()
-    original = type(target).forward
+    original = LlamaForward.forward
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("out of memory")
-    monkeypatch.setattr(type(target), "forward", broken)  # the prefill of the next prompt fails
+    monkeypatch.setattr(LlamaForward, "forward", broken)  # the prefill of the next prompt fails
     with pytest.raises(RuntimeError):
         engine.add(torch.tensor([PROMPTS[2]]), config, ModelDrafter(draft, V))
-    monkeypatch.setattr(type(target), "forward", original)
+    monkeypatch.setattr(LlamaForward, "forward", original)
     while engine.rows:
         engine.step()
     assert row.tokens == alone(target, ModelDrafter(draft, V), PROMPTS[0], config)[0]

@@ -1,0 +1,226 @@
+"""The target's forward over a ``StaticCache``: k new tokens per row, in one call, eager or compiled.
+
+Two forwards give the same numbers (tested):
+
+- ``LlamaForward``: our own forward over a Llama-family model's weights (Llama, Mistral, Qwen2 and
+  the like: RMSNorm, rotary embeddings, grouped-query attention, a gated SiLU MLP), written as one
+  flat function of tensors in the manner of gpt-fast, so that ``torch.compile`` sees the whole step.
+  It calls the model's own projection modules, so a model whose linear layers hold int4 weights
+  (``core.int4.Int4Linear``) runs through the same code;
+- ``HFForward``: any Hugging Face causal LM, called with a ``transformers`` cache whose layers write
+  at the positions the engine gives and a 4D mask passed through untouched.
+
+``Forward.__call__`` takes, for B rows of k tokens: ``tokens`` [B, k], ``positions`` [B, k] (each
+token's position id), ``write`` [B, k] (where its keys and values go in its row), ``mask``
+[B, 1, k, capacity] (``kvcache.attention_mask``), ``slots`` (None: rows 0 .. B - 1 of the cache; else
+the cache rows these B rows are, for a prefill of joining rows), ``keep`` (logits of the last ``keep``
+tokens; 0: all) and ``features`` (indices into what would be Hugging Face's ``hidden_states``: i < L
+the input of layer i, L the final normed output). It returns the logits [B, keep or k, V] and a dict
+of the asked features [B, k, H].
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .kvcache import StaticCache
+
+Features = dict[int, Tensor]
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+class LlamaForward(nn.Module):
+    """One step of a Llama-family model, as a plain function of tensors over its own modules."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        config = model.config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.layer_count = len(self.decoder.layers)
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Llama-family decoders laid out as transformers' Llama (and with no sliding window in play)."""
+        config = model.config
+        decoder = getattr(model, "model", None)
+        return (config.model_type in LLAMA_FAMILY and decoder is not None and hasattr(decoder, "layers")
+                and not getattr(config, "sliding_window", None) and getattr(config, "hidden_act", "silu") == "silu"
+                and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in decoder.layers))
+
+    @staticmethod
+    def _norm(norm: nn.Module, x: Tensor) -> Tensor:
+        # transformers' RMSNorm, in float32 with the weight applied after casting back
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * x.to(dtype)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    def forward(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
+                slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = ()
+                ) -> tuple[Tensor, Features]:
+        rows, width = tokens.shape
+        h = self.decoder.embed_tokens(tokens)
+        cos, sin = self.decoder.rotary_emb(h, positions)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, k, heads, D]
+        where = (slots if slots is not None else torch.arange(rows, device=tokens.device))[:, None]
+        found: Features = {}
+        for i, layer in enumerate(self.decoder.layers):
+            if i in features:
+                found[i] = h
+            attention = layer.self_attn
+            x = self._norm(layer.input_layernorm, h)
+            q = self._rotate(attention.q_proj(x).view(rows, width, self.heads, self.head_dim), cos, sin)
+            k = self._rotate(attention.k_proj(x).view(rows, width, self.kv_heads, self.head_dim), cos, sin)
+            v = attention.v_proj(x).view(rows, width, self.kv_heads, self.head_dim)
+            # [B, k, kv_heads, D] is the layout the advanced indices (first) give: no transpose to write.
+            cache.keys[i][where, :, write] = k
+            cache.values[i][where, :, write] = v
+            keys, values = cache.keys[i], cache.values[i]
+            if slots is not None:
+                keys, values = keys.index_select(0, slots), values.index_select(0, slots)
+            elif keys.shape[0] != rows:  # the step runs over the first rows of a larger cache
+                keys, values = keys[:rows], values[:rows]
+            # enable_gqa: the kv heads are shared by SDPA itself, never repeated (a copy of the layer's cache)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=self.heads != self.kv_heads)
+            h = h + attention.o_proj(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
+            mlp = layer.mlp
+            x = self._norm(layer.post_attention_layernorm, h)
+            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        h = self._norm(self.decoder.norm, h)
+        if self.layer_count in features:
+            found[self.layer_count] = h
+        return self.lm_head(h[:, -keep:] if keep else h), found
+
+
+class _PositionedLayer(CacheLayerMixin):
+    """One layer's view of a StaticCache for transformers' attention: writes at the owner's positions."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "_PositionedCache", index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass  # the StaticCache is allocated already
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        owner = self.owner
+        keys, values = owner.cache.keys[self.index], owner.cache.values[self.index]
+        keys[owner.where, :, owner.write] = key_states.transpose(1, 2)
+        values[owner.where, :, owner.write] = value_states.transpose(1, 2)
+        if owner.slots is not None:
+            return keys.index_select(0, owner.slots), values.index_select(0, owner.slots)
+        rows = owner.where.shape[0]
+        return (keys, values) if keys.shape[0] == rows else (keys[:rows], values[:rows])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.cache.capacity, 0
+
+    def get_seq_length(self) -> int:  # rows have lengths of their own: position ids are always given
+        raise NotImplementedError("a positioned cache has no single length; pass position_ids and a 4D mask")
+
+    def get_max_length(self) -> int:
+        return self.owner.cache.capacity
+
+
+class _PositionedCache(Cache):
+    """A transformers ``Cache`` over a StaticCache whose write positions are set before each forward.
+    transformers' attention calls ``update(key, value, layer)`` with no positions at all (and its own
+    ``StaticCache`` writes at a counter of its own), so the positions travel on the cache object."""
+
+    def __init__(self, cache: StaticCache, layers: int) -> None:
+        self.cache = cache
+        self.where = self.write = self.slots = None
+        super().__init__(layers=[_PositionedLayer(self, i) for i in range(layers)])
+
+
+class HFForward(nn.Module):
+    """One step of any Hugging Face causal LM that takes a 4D attention mask (sdpa or eager attention)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"the engine needs custom attention masks, which {implementation!r} attention does not "
+                             "take: load the model with attn_implementation='sdpa' or 'eager'")
+        self.model, self.additive = model, implementation == "eager"
+        self.layer_count = model.config.num_hidden_layers
+        # transformers repeats the kv heads of grouped-query attention before SDPA whenever a mask is given
+        # (a copy of each layer's cache per step) unless told to let SDPA share them.
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+
+    def forward(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
+                slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = ()
+                ) -> tuple[Tensor, Features]:
+        positioned = _PositionedCache(cache, self.layer_count)
+        positioned.write, positioned.slots = write, slots
+        positioned.where = (slots if slots is not None else torch.arange(tokens.shape[0], device=tokens.device))[:, None]
+        if self.additive:  # eager attention adds the mask to the scores
+            dtype = next(self.model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=positioned,
+                         use_cache=True, logits_to_keep=keep, output_hidden_states=bool(features))
+        found = {i: out.hidden_states[i] for i in features} if features else {}
+        return out.logits, found
+
+
+def make_forward(model: nn.Module, own: bool = True) -> nn.Module:
+    """The forward for ``model``: our own for the Llama family (unless ``own`` is False), else transformers'."""
+    return LlamaForward(model) if own and LlamaForward.supports(model) else HFForward(model)
+
+
+WIDTHS = (1, 2, 4, 6, 8, 12, 17, 24, 32, 48, 64)  # compiled widths: 1 (AR), gamma + 1 and tree sizes + 1 fit
+
+
+class TargetStep:
+    """The target and how its steps run: the forward (``make_forward``), eager, or compiled at a few fixed
+    shapes (``compile``): a width is padded up to the next of ``widths`` and the rows to a power of two,
+    so a handful of graphs serve every step. Prefills (prompts of any length) always run eagerly."""
+
+    def __init__(self, model: nn.Module, compile: bool = False, own: bool = True,
+                 widths: tuple[int, ...] = WIDTHS) -> None:
+        self.model = model
+        self.forward = make_forward(model, own)
+        self.layer_count = model.config.num_hidden_layers
+        self.compile, self.widths = compile, widths
+        self._compiled: nn.Module | None = None
+
+    def shape(self, width: int, rows: int) -> tuple[int, int]:
+        """The (width, rows) a step of this many tokens per row and rows runs at."""
+        if not self.compile:
+            return width, rows
+        padded_rows = 1 << (rows - 1).bit_length()
+        return next((w for w in self.widths if w >= width), width), padded_rows
+
+    def __call__(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
+                 slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = (),
+                 compiled: bool = False) -> tuple[Tensor, Features]:
+        forward = self._compiled_forward() if compiled and self.compile else self.forward
+        return forward(cache, tokens, positions, write, mask, slots, keep, features)
+
+    def _compiled_forward(self) -> nn.Module:
+        if self._compiled is None:
+            import torch._inductor.config as inductor
+
+            # Frozen weights are constants to inductor: on the CPU it prepacks them for its GEMM kernels.
+            inductor.freezing = True
+            self._compiled = torch.compile(self.forward, dynamic=False)
+        return self._compiled

@@ -1,0 +1,105 @@
+"""The target's forward over the static cache, ours and transformers', eager and compiled, equals plain forwards."""
+import pytest
+import torch
+
+from conftest import tiny_llama
+from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep
+
+
+def run(step, cache, rows_tokens, tree=None, depths=None, keep=0, features=(), compiled=False):
+    """Feed each row its tokens at its own length; returns what the forward returns."""
+    tokens = torch.tensor(rows_tokens)
+    rows, width = tokens.shape
+    starts = torch.tensor(cache.lengths[:rows])
+    tree = chain_tree(rows, width, "cpu") if tree is None else tree
+    depths = torch.arange(width).expand(rows, width) if depths is None else depths
+    mask = attention_mask(starts, tree, cache.capacity)
+    return step(cache, tokens, starts[:, None] + depths, write_positions(starts, width), mask, None, keep, features,
+                compiled=compiled)
+
+
+def plain(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), output_hidden_states=True)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_rows_of_different_lengths_and_rejected_positions_equal_plain_forwards(target, own):
+    step = TargetStep(target, own=own)
+    assert isinstance(step.forward, LlamaForward if own else HFForward)
+    cache = StaticCache.for_model(target.config, 2, 32, torch.float32, "cpu")
+    with torch.inference_mode():
+        cache.lengths = [0, 0]
+        run(step, cache, [[3, 9, 4, 4, 8], [7, 1, 2, 5, 6]])
+        cache.lengths = [3, 5]  # row 0 keeps 3, 9, 4: its last two positions are rejected, to be overwritten
+        logits, found = run(step, cache, [[6, 11], [13, 14]], features=(0, 1, 2))
+    for row, tokens in enumerate([[3, 9, 4, 6, 11], [7, 1, 2, 5, 6, 13, 14]]):
+        expected = plain(target, tokens)
+        torch.testing.assert_close(logits[row], expected.logits[0, -2:], rtol=1e-4, atol=1e-4)
+        for layer in (0, 1, 2):  # the inputs of layers 0 and 1, and the final normed output
+            torch.testing.assert_close(found[layer][row], expected.hidden_states[layer][0, -2:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_tree_pass_and_keeping_a_path_equal_plain_forwards(target, own):
+    step = TargetStep(target, own=own)
+    cache = StaticCache.for_model(target.config, 1, 16, torch.float32, "cpu")
+    with torch.inference_mode():
+        run(step, cache, [[3, 9, 4]])
+        cache.lengths = [3]
+        # newest token 6, then the tree: 11 and 12 below it, 13 below 11, 14 below 13
+        tree = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]],
+                            dtype=torch.bool)
+        logits, _ = run(step, cache, [[6, 11, 12, 13, 14]], tree, torch.tensor([[0, 1, 1, 2, 3]]))
+        for column, path in [(2, [6, 12]), (4, [6, 11, 13, 14])]:
+            torch.testing.assert_close(logits[0, column], plain(target, [3, 9, 4] + path).logits[0, -1],
+                                       rtol=1e-4, atol=1e-4)
+        cache.keep(0, 3, [0, 1, 3])  # keep 6, 11, 13
+        cache.lengths = [6]
+        after, _ = run(step, cache, [[20]])
+    torch.testing.assert_close(after[0, -1], plain(target, [3, 9, 4, 6, 11, 13, 20]).logits[0, -1],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_eager_attention_takes_the_mask_as_scores():
+    model = tiny_llama(seed=4)
+    model.set_attn_implementation("eager")
+    step = TargetStep(model, own=False)
+    cache = StaticCache.for_model(model.config, 1, 16, torch.float32, "cpu")
+    with torch.inference_mode():
+        logits, _ = run(step, cache, [[5, 6, 7, 8]])
+    torch.testing.assert_close(logits[0], plain(model, [5, 6, 7, 8]).logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_cache_grows_keeping_what_it_holds(target):
+    step = TargetStep(target)
+    cache = StaticCache.for_model(target.config, 1, 8, torch.float32, "cpu")
+    with torch.inference_mode():
+        run(step, cache, [[3, 9, 4, 4, 8]])
+        cache.lengths = [5]
+        assert cache.fits(3) and not cache.fits(4)
+        cache.grow(slots=2, capacity=16)
+        assert (cache.slots, cache.capacity, cache.lengths) == (2, 16, [5, 0]) and cache.fits(11)
+        logits, _ = run(step, cache, [[1, 2, 3, 4, 5, 6, 7]])
+    torch.testing.assert_close(logits[0, -1], plain(target, [3, 9, 4, 4, 8, 1, 2, 3, 4, 5, 6, 7]).logits[0, -1],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_steps_equal_eager_ones_at_padded_shapes(target):
+    """The compiled step runs at bucketed shapes: a width of 3 is padded to 4 and one row to one."""
+    eager, compiled = TargetStep(target), TargetStep(target, compile=True, widths=(1, 4))
+    assert compiled.shape(3, 1) == (4, 1) and compiled.shape(1, 3) == (1, 4) and eager.shape(3, 1) == (3, 1)
+    results = []
+    for step in (eager, compiled):
+        cache = StaticCache.for_model(target.config, 1, 16, torch.float32, "cpu")
+        with torch.inference_mode():
+            run(step, cache, [[3, 9, 4, 1]])
+            cache.lengths = [4]
+            tree = torch.eye(4, dtype=torch.bool)[None].clone()
+            tree[0, :3, :3] = chain_tree(1, 3, "cpu")[0]  # the fourth column is padding: it sees itself only
+            logits, _ = run(step, cache, [[6, 11, 12, 0]], tree, compiled=True)
+        results.append(logits[0, :3])
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results[0][-1], plain(target, [3, 9, 4, 1, 6, 11, 12]).logits[0, -1],
+                               rtol=1e-4, atol=1e-4)
