@@ -32,7 +32,7 @@ def run_batched(pair: ModelPair, prompts: list[torch.Tensor], config: DecodeConf
                 ) -> tuple[list[list[int]], float, int]:
     outputs, seconds, passes = [], 0.0, 0
     for start in range(0, len(prompts), batch):
-        decoder = Engine(pair.target, pair.vocab_size)
+        decoder = Engine(pair.step, pair.vocab_size)
         began = time.perf_counter()
         group = prompts[start: start + batch]
         rows = decoder.add_many([Job(ids, config, pair.drafter(config)) for ids in group])

@@ -12,9 +12,10 @@ from .core.config import DecodeConfig
 from .core.draft import Drafter
 from .core.engine import decode
 from .core.stats import Stats
+from .core.step import TargetStep
 from .drafters.registry import DrafterSource, load_drafter
 from .hf import eos_token_ids
-from .loading import load_model, shared_vocab_size
+from .loading import EMBEDDED, load_model, shared_vocab_size, weight_form
 from .options import DEFAULT_DRAFT
 from .text import TextStream, check_prompt, check_text
 
@@ -47,28 +48,51 @@ class ModelPair:
     """
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 draft: DrafterSource | None = None) -> None:
+                 draft: DrafterSource | None = None, step: TargetStep | None = None,
+                 profile_key: str | None = None) -> None:
+        """``step``: how the target's steps run (eager or compiled) and what they cost; pairs sharing a target
+        share it. ``profile_key``: where its measured costs are kept (``tuning``; None: not kept)."""
         self.target = target
         self.tokenizer = tokenizer
         self.draft = draft
+        self.step = step if step is not None else TargetStep(target)
+        self.profile_key = profile_key
         self.vocab_size = shared_vocab_size(target, draft.width if draft is not None else None, tokenizer)
         self.eos_token_ids = eos_ids(target, tokenizer)
 
     @classmethod
-    def load(cls, target: str | None = None, draft: str | None = DEFAULT_DRAFT,
-             dtype: str = "auto", device: str = "cpu") -> "ModelPair":
+    def load(cls, target: str | None = None, draft: str | None = DEFAULT_DRAFT, dtype: str = "auto",
+             device: str = "cpu", weights: str = "auto", compile: bool = False) -> "ModelPair":
         """Load by name (see ``loading.load_model`` and ``drafters.registry``). ``target=None`` is the embedded
         SmolLM2-135M-Instruct; ``draft="default"`` the drafter of its default job, ``None`` no drafter
-        (AR only)."""
-        target_model, tokenizer = load_model(target, dtype, device)
-        source = load_drafter(draft, target_model, tokenizer, target, dtype, device) if draft is not None else None
-        return cls(target_model, tokenizer, source)
+        (AR only). ``weights``: ``auto``, ``int4`` (a GGUF at its own 4-bit bytes), ``bf16`` or ``fp32``.
+        ``compile``: run the target's decoding steps compiled (``torch.compile``; see ``core.step``). The
+        costs measured while it decodes are kept in the cache for this machine (``tuning``)."""
+        from . import tuning
+
+        form = weight_form(target, weights, dtype, device)
+        target_model, tokenizer = load_model(target, dtype, device, weights)
+        source = load_drafter(draft, target_model, tokenizer, target, dtype, device, weights) \
+            if draft is not None else None
+        key = tuning.profile_key(str(target or EMBEDDED), form if form == "int4" else str(target_model.dtype),
+                                 device, compile)
+        step = TargetStep(target_model, compile=compile)
+        step.profile = tuning.load(key)
+        return cls(target_model, tokenizer, source, step, key)
+
+    def save_profile(self) -> None:
+        """Keep what this pair's steps were measured to cost (done after each ``generate``)."""
+        from . import tuning
+
+        if self.profile_key is not None and self.step.profile.updates:
+            tuning.save(self.profile_key, self.step.profile)
 
     def with_drafter(self, name: str, target_name: str | None = None, dtype: str = "auto",
-                     device: str = "cpu") -> "ModelPair":
+                     device: str = "cpu", weights: str = "auto") -> "ModelPair":
         """The same target with another drafter (loaded by name; the target stays shared)."""
         return ModelPair(self.target, self.tokenizer,
-                         load_drafter(name, self.target, self.tokenizer, target_name, dtype, device))
+                         load_drafter(name, self.target, self.tokenizer, target_name, dtype, device, weights),
+                         self.step, self.profile_key)
 
     def config(self, target_acceptance: float | None = None, eos_token_ids: Sequence[int] | None = None,
                **options: Any) -> DecodeConfig:
@@ -122,7 +146,8 @@ class ModelPair:
                 on_text(delta)
             return stream.stopped
 
-        tokens, stats = decode(self.target, drafter, input_ids, config, self.vocab_size, on_tokens)
+        tokens, stats = decode(self.step, drafter, input_ids, config, self.vocab_size, on_tokens)
+        self.save_profile()
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)

@@ -108,9 +108,18 @@ def _add_models(parser: argparse.ArgumentParser, draft: bool = True) -> None:
         models.add_argument("--draft", default=DEFAULT_DRAFT, help=DRAFT_HELP.format(default=DEFAULT_JOB["draft"]))
     models.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="(default: auto: bfloat16 where the hardware computes it natively, else float32)")
+    models.add_argument("--weights", default="auto", choices=["auto", "int4", "bf16", "fp32"],
+                        help="how the target's weights are held: int4 (a GGUF target's own 4-bit weights, through "
+                             "the CPU int4 kernel), bf16 or fp32 (dequantized) (default: auto: int4 for a GGUF "
+                             "target on the CPU unless --dtype names a float type, else --dtype)")
     models.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:N, or auto to spread a large model over all GPUs (default: cuda if "
                              "a GPU is present, else cpu)")
+    models.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the target's decoding steps compiled (torch.compile; the first use of each shape "
+                             "compiles, about a minute on a small CPU, then the compiled code is cached) (default: "
+                             "off for generate and calibrate, whose one answer cannot repay a compilation; for "
+                             "serve and bench, on where `fuzzyspec tune` measured compiled steps faster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a request may take, queueing included; then HTTP 504 (default: 300)")
     limits.add_argument("--max-body-bytes", type=int, default=1_000_000,
                         help="largest request body accepted; larger ones get HTTP 413 (default: 1000000)")
+
+    tune = commands.add_parser("tune", help="measure what this machine charges for the target's steps and the "
+                               "drafter's proposals, and print the draft sizes that follow")
+    _add_models(tune)
+    tune.add_argument("--widths", type=_int_list, default=None,
+                      help="target widths to measure (default: 1,2,3,4,5,6,8,12,17,24,32; compiled: 1,2,4,6,8,17)")
+    tune.add_argument("--json", action="store_true", help="print one JSON object")
 
     lm_eval = commands.add_parser(
         "lm-eval", add_help=False, help="lm-evaluation-harness with the fuzzyspec model registered (all "
@@ -317,6 +333,47 @@ def _decided(options: dict, draft: str | None, target_acceptance: float | None =
     return DecodeConfig.from_options(options, drafter=drafter, target_acceptance=target_acceptance)
 
 
+def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_running: bool):
+    """The target (in its weights form, compiled or not) and the drafter, with progress while it compiles."""
+    from .api import ModelPair
+
+    compile = _compiles(args, device, long_running)
+    if compile:
+        _persist_compiled_code()
+    pair = ModelPair.load(args.target, draft, args.dtype, device, args.weights, compile)
+    pair.step.on_compile = lambda rows, width: print(
+        f"fuzzyspec: compiling the target's step for {rows} row{'s' if rows > 1 else ''} x {width} "
+        f"token{'s' if width > 1 else ''} (once per shape on this machine) ...", file=sys.stderr, flush=True)
+    return pair
+
+
+def _compiles(args: argparse.Namespace, device: str, long_running: bool) -> bool:
+    """--compile as given; else compiled only for long-running commands, where `fuzzyspec tune` measured
+    compiled steps faster on this machine (a one-shot answer cannot repay a compilation)."""
+    if args.compile is not None or not long_running:
+        return bool(args.compile)
+    from . import tuning
+    from .loading import EMBEDDED, weight_form
+
+    form = weight_form(args.target, args.weights, args.dtype, device)
+    return bool(tuning.facts(tuning.profile_key(str(args.target or EMBEDDED), _form_name(form), device, True))
+                .get("compile_pays"))
+
+
+def _form_name(form: str) -> str:
+    """A weights form as profiles name it (``int4``, or the torch dtype)."""
+    from .loading import resolve_dtype
+
+    return form if form == "int4" else str(resolve_dtype(form, "cpu"))
+
+
+def _persist_compiled_code() -> None:
+    """Keep inductor's compiled code in the fuzzyspec cache, so a shape compiles once per machine."""
+    from .loading import cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     """The prompt: the argument, standard input (``-``) or ``--prompt-file``; checked to be UTF-8 text."""
     from .text import check_prompt
@@ -361,9 +418,7 @@ def _generate(args: argparse.Namespace) -> None:
     draft = None if options.get("method") == "ar" else args.draft
     config = _decided(options, draft, args.target_acceptance)
     device = _device(args)
-    from .api import ModelPair
-
-    pair = ModelPair.load(args.target, draft, args.dtype, device)
+    pair = _load_pair(args, draft, device, long_running=False)
     _check_context(pair, prompt, args.chat, config.max_new_tokens)
     config = dataclasses.replace(config, eos_token_ids=pair.eos_token_ids)
     if args.target_acceptance is not None:
@@ -411,11 +466,10 @@ def _calibrate(args: argparse.Namespace) -> None:
     configs = {name: _decided(options | {"divergence": name}, args.draft) for name in args.divergences}
     check_request(objective, value, next(iter(configs.values())).gamma)
     device = _device(args)
-    from .api import ModelPair
     from .eval.tasks import get_task
 
     prompts = [e.prompt for e in get_task(args.task, args.data).examples(args.prompts)]
-    pair = ModelPair.load(args.target, args.draft, args.dtype, device)
+    pair = _load_pair(args, args.draft, device, long_running=False)
     if not args.json:
         print(f"{'divergence':<16} {'T':>10} {'acceptance':>10} {'tok/pass':>9} {'D q10':>8} {'D q50':>8} "
               f"{'D q90':>8} {'runs':>4}")
@@ -464,8 +518,10 @@ def _bench(args: argparse.Namespace) -> None:
     task = get_task(args.task, args.data)
     if task.runs_code and not getattr(task, "allowed", False):
         raise UsageError(CODE_REFUSAL)
+    device = _device(args)
     settings = Settings(task=args.task, data=args.data, limit=args.limit, target=args.target, dtype=args.dtype,
-                        device=_device(args), decoding=decoding,
+                        device=device, weights=args.weights, compile=_compiles(args, device, long_running=True),
+                        decoding=decoding,
                         calibration_prompts=args.calibration_prompts or CALIBRATION_PROMPTS)
     out = Path(args.out)
     try:
@@ -517,7 +573,7 @@ def _answers(args: argparse.Namespace) -> None:
     settings = AnswerSettings(tuple(args.temperatures), args.max_new_tokens, args.max_prompt_tokens,
                               args.shard_size, args.seed)
     texts = training_prompts(args.prompts, args.limit, args.split)
-    target, tokenizer = load_model(args.target, args.dtype, _device(args))
+    target, tokenizer = load_model(args.target, args.dtype, _device(args), weights=None)
     prompts = encode_prompts(tokenizer, texts, settings.max_prompt_tokens)
     written = generate_answers(target, prompts, args.out, settings, eos_ids(target, tokenizer), args.batch_size,
                                (index, count))
@@ -543,10 +599,9 @@ def _serve(args: argparse.Namespace) -> None:
         raise UsageError(f"serving needs the [serve] extra: pip install 'fuzzyspec[serve]' ({error.name} is "
                          "missing)") from None
     device = _device(args)
-    from .api import ModelPair
     from .loading import EMBEDDED
 
-    pair = ModelPair.load(args.target, draft, args.dtype, device)
+    pair = _load_pair(args, draft, device, long_running=True)
     config = ServeConfig(model_name=args.model_name or args.target or EMBEDDED, defaults=defaults,
                          max_batch=args.max_batch, max_queue=args.max_queue, request_timeout=args.request_timeout,
                          max_body_bytes=args.max_body_bytes, names=(("target", str(args.target)), ("draft", str(draft))))
@@ -564,8 +619,70 @@ def _lm_eval(args: argparse.Namespace) -> None:
     run_cli(args.arguments)
 
 
+def _tune(args: argparse.Namespace) -> None:
+    """Measure the profile (eager, and compiled unless --no-compile), keep it, and print it with its choices."""
+    from . import tuning
+    from .api import ModelPair
+    from .core.cost import Option
+    from .core.step import TargetStep
+    from .loading import EMBEDDED, weight_form
+
+    device = _device(args)
+    drafter = _decided({}, args.draft)  # checks the options and the drafter's name before anything loads
+    form = _form_name(weight_form(args.target, args.weights, args.dtype, device))
+    loaded = _load_pair(argparse.Namespace(**{**vars(args), "compile": False}), args.draft, device, False)
+    report: dict = {"machine": tuning.machine(device), "profiles": {}}
+    for compiled in ([False, True] if args.compile is None else [args.compile]):
+        if compiled:
+            _persist_compiled_code()
+        key = tuning.profile_key(str(args.target or EMBEDDED), form, device, compiled)
+        step = TargetStep(loaded.target, compile=compiled)
+        step.on_compile, step.profile = loaded.step.on_compile, tuning.load(key)
+        pair = ModelPair(loaded.target, loaded.tokenizer, loaded.draft, step, key)
+        widths = tuple(args.widths or ((1, 2, 4, 6, 8, 17) if compiled else tuning.WIDTHS))
+        times, compile_s = tuning.measure_target(step, widths, compiled=compiled, progress=tuning.progress_line)
+        step.profile.target.update(times)
+        options = {}
+        shapes = [("chain", drafter.gamma, None)]
+        if pair.draft is not None and pair.draft.drafts_trees:
+            shapes.append(("tree", drafter.tree_depth, (drafter.tree_total_tokens, drafter.tree_top_k)))
+        for shape, cap, tree in shapes if pair.draft is not None else ():
+            tuning.progress_line(f"{pair.draft.name} drafting {shape}s")
+            draft_key = f"{pair.draft.name}:{shape}"
+            step.profile.draft[draft_key] = tuning.measure_drafter(pair, shape == "tree", range(1, cap + 1))
+            options[draft_key] = Option(draft_key, cap, tree)
+        tuning.save(key, step.profile)
+        report["profiles"]["compiled" if compiled else "eager"] = {
+            "key": key, "target_ms": times, "compile_s": compile_s, "draft_ms": step.profile.draft,
+            "choices": tuning.choices(step.profile, options)}
+    if len(report["profiles"]) == 2:
+        eager, compiled = (report["profiles"][mode]["target_ms"][1] for mode in ("eager", "compiled"))
+        report["compile_pays"] = compiled < 0.9 * eager
+        tuning.note(report["profiles"]["compiled"]["key"], compile_pays=report["compile_pays"], eager_ms=eager,
+                    compiled_ms=compiled)
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"machine: {report['machine']}")
+    for mode, profile in report["profiles"].items():
+        one = profile["target_ms"][min(profile["target_ms"])]
+        print(f"\n{mode}: target step, ms by width (and x width 1)" + ("; first call, s" if profile["compile_s"] else ""))
+        for width, ms in profile["target_ms"].items():
+            first = f"  {profile['compile_s'][width]:6.1f}" if width in profile["compile_s"] else ""
+            print(f"  {width:>3}  {ms:8.1f}  x{ms / one:.2f}{first}")
+        for key, sizes in profile["draft_ms"].items():
+            print(f"  {key}: " + ", ".join(f"{size}: {ms:.1f} ms" for size, ms in sizes.items()))
+        for key, picked in profile["choices"].items():
+            unit = "depth" if key.endswith(":tree") else "drafts"
+            print(f"  {key}: {unit} chosen at first-draft acceptance " +
+                  ", ".join(f"{rate:g} -> {size}" for rate, size in picked.items()))
+    if "compile_pays" in report:
+        print(f"\ncompiled steps {'pay' if report['compile_pays'] else 'do not pay'} here: serve and bench "
+              f"{'compile' if report['compile_pays'] else 'stay eager'} by default")
+
+
 COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "serve": _serve, "train": _train,
-            "lm-eval": _lm_eval}
+            "lm-eval": _lm_eval, "tune": _tune}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -574,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_usage(sys.stderr)
-            raise UsageError("a command is required: generate, calibrate, bench, serve, train or lm-eval "
+            raise UsageError("a command is required: generate, calibrate, bench, serve, tune, train or lm-eval "
                              "(fuzzyspec --help)")
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         if args.threads is not None:

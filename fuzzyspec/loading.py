@@ -51,10 +51,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -140,16 +137,58 @@ def convert_gguf(gguf: Path, folder: Path) -> None:
     print(f"fuzzyspec: converted in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
 
 
-def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
+WEIGHTS = ("auto", "int4", "bf16", "fp32")  # how a target's weights are held (``--weights``)
+FLOAT_WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def gguf_source(name: str | None) -> Path | None:
+    """The GGUF file a target name stands for (the embedded model's, or a .gguf path), else None."""
+    if name is None or name == EMBEDDED:
+        return embedded_gguf()
+    return Path(name) if name.endswith(".gguf") else None
+
+
+def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", device: str = "cpu") -> str:
+    """``int4`` or a float dtype: what ``weights`` asks for a target, checked before it loads.
+
+    ``auto`` holds a GGUF target at its own 4-bit bytes where the CPU int4 kernel runs them (on the CPU,
+    unless ``--dtype`` names a float type), and otherwise follows ``--dtype``."""
+    from .core import int4
+
+    if weights not in WEIGHTS:
+        raise LoadError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights in FLOAT_WEIGHTS:
+        if dtype not in ("auto", FLOAT_WEIGHTS[weights]):
+            raise LoadError(f"--weights {weights} and --dtype {dtype} disagree: give one")
+        return FLOAT_WEIGHTS[weights]
+    gguf = name is None or name == EMBEDDED or name.endswith(".gguf")
+    runs_int4 = device == "cpu" and int4.available()
+    if weights == "int4":
+        if not gguf:
+            raise LoadError("--weights int4 holds a GGUF target's own 4-bit weights: give a .gguf --target")
+        if not runs_int4:
+            raise LoadError(f"--weights int4 runs on the CPU's int4 kernel: use --device cpu (got {device})")
+        if dtype not in ("auto", "float32"):
+            raise LoadError(f"--weights int4 keeps float32 activations around its 4-bit products; --dtype {dtype} "
+                            "does not apply")
+        return "int4"
+    return "int4" if gguf and runs_int4 and dtype == "auto" else dtype
+
+
+def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto"
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
     ``name``: None or ``smollm2-135m-instruct`` for the embedded target; a path to a
-    ``.gguf`` file (dequantized by transformers); a local folder; or a hub id.
-    ``device``: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` to spread a large model
-    over all GPUs (``device_map="auto"``).
+    ``.gguf`` file; a local folder; or a hub id. ``weights`` (``WEIGHTS``, see ``weight_form``): ``int4``
+    holds a GGUF at its own 4-bit bytes (``gguf.load_int4``); float forms dequantize it (through
+    transformers); None: float, at ``dtype`` (training wants that). ``device``: ``cpu``, ``cuda``,
+    ``cuda:N``, or ``auto`` to spread a large model over all GPUs (``device_map="auto"``).
     """
-    torch_dtype = resolve_dtype(dtype, device)
+    form = dtype if weights is None else weight_form(name, weights, dtype, device)
+    if form == "int4":
+        return _load_int4(name)
+    torch_dtype = resolve_dtype(form, device)
     kwargs: dict = {"dtype": torch_dtype}
     if device == "auto":
         kwargs["device_map"] = "auto"
@@ -176,6 +215,54 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu"
         model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def _load_int4(name: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF target at its own 4-bit bytes, with its tokenizer (both cached after the first load)."""
+    import platform
+
+    from . import gguf
+
+    path = gguf_source(name)
+    if not path.is_file():
+        raise LoadError(f"model file not found: {name}")
+    # The packed layout depends on the CPU's instruction set and on the torch build: the key names both.
+    flags = "-".join(sorted(set(_cpu_flags()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"}))
+    stem = f"{path.stem}-{path.stat().st_size}"
+    packed = cache_dir() / "int4" / f"{stem}-torch{torch.__version__}-{platform.machine()}-{flags}.safetensors"
+    try:
+        model = gguf.load_int4(path, packed)
+        tokenizer = _gguf_tokenizer(path, stem)
+    except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise LoadError(f"could not load model {str(name or EMBEDDED)!r} ({type(error).__name__}): "
+                        f"{first_line}") from error
+    return model, tokenizer
+
+
+def _gguf_tokenizer(path: Path, stem: str) -> PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer: transformers reads it from the file (several seconds), so it is kept as a
+    folder in the fuzzyspec cache (the embedded model's converted folder serves when it is there)."""
+    if path == embedded_gguf() and (cache_dir() / EMBEDDED / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(cache_dir() / EMBEDDED)
+    folder = cache_dir() / "tokenizers" / stem
+    if not (folder / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(folder)
+        except OSError:  # another process finished first
+            shutil.rmtree(partial, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
 
 
 def shipped(kind: str) -> Path:

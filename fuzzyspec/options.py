@@ -15,15 +15,16 @@ from typing import Any, Callable
 
 METHODS = ("ar", "sd", "fsd", "fsd-hybrid")
 FUZZY = ("fsd", "fsd-hybrid")
-SCHEDULES = ("constant", "heuristic")
+SCHEDULES = ("constant", "cost", "heuristic")
 DIVERGENCE_HELP = ("js, js_legacy, kl_pq, kl_qp, tv, hellinger, or their topk_*/topp_* forms; the FSD reference "
                    "code's names (js_div, kl_div, ...) are aliases")
 
 DEFAULT_DRAFT = "default"  # the registry's name for the default job's drafter
 # What runs when nothing says otherwise (``DecodeConfig.from_options`` applies it; the README says why):
 # the shipped EAGLE head drafting EAGLE-2 trees, checked by exact SD, so the output is the target's own
-# distribution. FSD trades some of that quality for speed, so it is asked for, never assumed.
-DEFAULT_JOB: dict[str, Any] = {"draft": "eagle", "tree": True}
+# distribution; and with any drafter, drafts sized by this machine's measured costs (none where
+# speculation does not pay). FSD trades some quality for speed, so it is asked for, never assumed.
+DEFAULT_JOB: dict[str, Any] = {"draft": "eagle", "tree": True, "gamma_schedule": "cost"}
 JOB_HELP = ("the default job is lossless: the shipped EAGLE head drafts EAGLE-2 trees and exact SD checks them, "
             "so the text is distributed exactly as the target's own; fsd and fsd-hybrid trade quality for speed "
             "and are opt-in")
@@ -70,9 +71,12 @@ OPTIONS: tuple[Option, ...] = (
            "method", choices=METHODS, shown_default="sd; ar without a drafter; fsd with --target-acceptance"),
     Option("divergence", "js", f"D of the fuzzy rules: {DIVERGENCE_HELP}", "fsd_divergence"),
     Option("threshold", 0.3, "T of the fuzzy rules (inf: accept every draft); unused by ar and sd", "fsd_threshold"),
-    Option("gamma", 5, "drafted tokens per step (the start value under the heuristic schedule)", "gamma"),
-    Option("gamma_schedule", "constant", "constant, or heuristic: +2 after a fully accepted step, -1 otherwise",
-           "gamma_schedule", choices=SCHEDULES),
+    Option("gamma", 5, "drafted tokens per step at most (a chain's length; the start value under the heuristic "
+           "schedule)", "gamma"),
+    Option("gamma_schedule", "constant", "how much each step drafts: cost (the size that maximises tokens per second "
+           "under this machine's measured costs and the row's acceptance, up to --gamma or --tree-depth; none where "
+           "speculation does not pay), constant (always the cap), or heuristic (chains: +2 after a fully accepted "
+           "step, -1 otherwise)", "gamma_schedule", choices=SCHEDULES, shown_default="cost"),
     Option("draft_confidence", 0.0, "stop drafting when the draft's top probability falls below this",
            "draft_confidence"),
     Option("greedy_drafts", False, "draft the draft's most likely tokens even when sampling, as the FSD reference "
@@ -83,7 +87,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tree", False, "draft EAGLE-2 dynamic trees instead of chains (needs an EAGLE head as the drafter)",
            "tree", group="trees", shown_default="on with the default drafter, else off"),
     Option("tree_total_tokens", 16, "nodes kept per tree", "tree_total_tokens", group="trees"),
-    Option("tree_depth", 5, "tree depth", "tree_depth", group="trees"),
+    Option("tree_depth", 5, "tree depth (at most, under the cost schedule)", "tree_depth", group="trees"),
     Option("tree_top_k", 4, "children per expanded node, and nodes expanded per level", "tree_top_k",
            group="trees"),
     Option("temperature", 0.0, "0 = greedy", "temperature", hook=False, group="sampling"),

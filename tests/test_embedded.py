@@ -31,11 +31,14 @@ def test_cli_default_models(capsys):
     assert main(["generate", "What is the capital of France?", "--json", "--max-new-tokens", "12"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["method"] == "sd" and result["draft"] == "default" and result["tree"]  # the default job
-    assert result["stats"]["new_tokens"] >= 1 and result["stats"]["draft_forwards"] >= 1
+    assert result["stats"]["new_tokens"] >= 1
     assert "Paris" in result["text"]
-    # The Python API with no options runs the very same job.
-    api = ModelPair.load().generate("What is the capital of France?", max_new_tokens=12)
-    assert api.text == result["text"] and api.stats.target_forwards == result["stats"]["target_forwards"]
+    # The Python API with no options runs the very same job. (How many passes it takes depends on the timings
+    # the cost schedule measures, so only the text, which sd makes the target's own, must agree.)
+    api = ModelPair.load()
+    assert api.config().describe() == {key: result[key] for key in ("method", "divergence", "threshold", "gamma", "tree")}
+    assert api.config().gamma_schedule == "cost"
+    assert api.generate("What is the capital of France?", max_new_tokens=12).text == result["text"]
 
 
 SHIPPED_PROMPTS = [
@@ -55,7 +58,8 @@ def test_shipped_drafters_reach_their_documented_acceptance(draft):
     pair = ModelPair.load(draft=draft, dtype="float32")
     new_tokens = forwards = 0
     for prompt in SHIPPED_PROMPTS:
-        result = pair.generate(prompt, method="sd", gamma=5, max_new_tokens=64, eos_token_ids=())
+        result = pair.generate(prompt, method="sd", gamma=5, gamma_schedule="constant", max_new_tokens=64,
+                               eos_token_ids=())
         new_tokens += result.stats.new_tokens
         forwards += result.stats.target_forwards
     mean_accepted = new_tokens / forwards
@@ -66,7 +70,7 @@ def test_shipped_drafters_reach_their_documented_acceptance(draft):
 @pytest.mark.parametrize("tree", [[], ["--tree"]])
 def test_cli_with_the_shipped_eagle_head(capsys, tree):
     argv = ["generate", "Name a primary colour.", "--draft", "eagle", "--method", "fsd", "--json",
-            "--max-new-tokens", "16", *tree]
+            "--max-new-tokens", "16", "--gamma-schedule", "constant", *tree]
     assert main(argv) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["new_tokens"] >= 1 and stats["draft_forwards"] >= 1
@@ -76,6 +80,6 @@ def test_greedy_eagle2_trees_equal_hf_generate(pair32):
     pair = pair32.with_drafter("eagle")
     ids = pair.encode("Name three colours.")
     expected = pair.target.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
-    result = pair.generate(ids, method="sd", tree=True, max_new_tokens=24)
+    result = pair.generate(ids, method="sd", tree=True, gamma_schedule="constant", max_new_tokens=24)
     assert result.tokens == expected
     assert result.stats.mean_accepted > 1.5

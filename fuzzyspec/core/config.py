@@ -96,6 +96,7 @@ class DecodeConfig:
         - method: ``fsd`` when ``target_acceptance`` asks for a calibrated threshold, ``ar`` without a
           drafter, else ``sd``;
         - tree: on for the default drafter (the default job drafts EAGLE-2 trees), off for any other;
+        - gamma_schedule: ``cost`` (each step's draft size chosen from measured costs; see ``cost``);
         - everything else: ``options.OPTIONS``.
 
         Raises ``OptionError`` naming the option at fault, before anything loads.
@@ -108,6 +109,7 @@ class DecodeConfig:
             given["method"] = "fsd" if target_acceptance is not None else "ar" if drafter is None else "sd"
         if "tree" not in given and drafter is not None and drafter.name == DEFAULT_DRAFT:
             given["tree"] = DEFAULT_JOB["tree"]
+        given.setdefault("gamma_schedule", DEFAULT_JOB["gamma_schedule"])
         if target_acceptance is not None:
             check_acceptance(target_acceptance)
             if given["method"] not in FUZZY:
@@ -146,14 +148,28 @@ class DecodeConfig:
         return {"method": self.method, "divergence": self.divergence if self.fuzzy else None,
                 "threshold": threshold if self.fuzzy else None, "gamma": self.gamma, "tree": self.tree}
 
-    def budget(self, gamma: int, remaining: int) -> Budget | None:
-        """What the drafter may propose with ``remaining`` tokens to go: None when nothing (AR, or one token
-        left, which the target gives). A verified step adds one token after the drafts."""
-        if self.method == "ar":
+    @property
+    def size_cap(self) -> int:
+        """The largest draft size a row of this config uses: a tree's depth, or a chain's gamma."""
+        return self.tree_depth if self.tree else self.gamma
+
+    def budget(self, size: int, remaining: int) -> Budget | None:
+        """What the drafter may propose at draft size ``size`` (a chain's tokens, a tree's depth) with
+        ``remaining`` tokens to go: None when nothing (AR, size 0, or one token left, which the target gives).
+        A verified step adds one token after the drafts."""
+        if self.method == "ar" or size < 1:
             return None
         if self.draft_only:
-            return Budget(min(gamma, remaining), None, self.draft_confidence, self.greedy_drafts)
+            return Budget(min(size, remaining), None, self.draft_confidence, self.greedy_drafts)
         if remaining < 2:
             return None
-        tree = (self.tree_total_tokens, self.tree_depth, self.tree_top_k) if self.tree else None
-        return Budget(min(gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts)
+        if not self.tree:
+            return Budget(min(size, remaining - 1), None, self.draft_confidence, self.greedy_drafts)
+        tree = (tree_nodes(size, self.tree_total_tokens, self.tree_top_k), size, self.tree_top_k)
+        return Budget(min(self.gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts)
+
+
+def tree_nodes(depth: int, total: int, top_k: int) -> int:
+    """The nodes an EAGLE-2 tree of this depth keeps: ``top_k`` children per expanded node and level,
+    reranked down to ``total``."""
+    return min(total, sum(top_k ** level for level in range(1, depth + 1)))

@@ -126,8 +126,10 @@ class Drafter(Protocol):
     """
 
     forwards: int
+    name: str  # what it is called (the registry's name); costs are measured per name
     wants_target_features: ClassVar[bool]
     drafts_trees: ClassVar[bool]
+    feature_layers: list[int]
 
     def reset(self) -> None: ...
 
@@ -146,6 +148,7 @@ class BaseDrafter:
 
     def __init__(self) -> None:
         self.forwards = 0
+        self.name = type(self).__name__
 
     def reset(self) -> None:
         pass

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .config import DecodeConfig
+from .cost import Acceptance, Option, plan
 from .draft import Draft, Drafter
 from .judge import Verdict, judge
 from .kvcache import StaticCache, attention_mask, write_positions
@@ -79,8 +80,9 @@ class Row:
     started: float
     sequence: Tensor  # [1, L]: the prompt and every emitted token
     prompt_len: int
-    gamma: int
+    size: int  # drafts per step: a chain's length or a tree's depth (chosen per step by a schedule)
     slot: int
+    acceptance: Acceptance = field(default_factory=Acceptance)  # for the cost schedule
     finish_reason: str | None = None  # "stop" (EOS or the callback) or "length" once finished
     logprobs: int | None = None  # record each emitted token's log-probability and this many top alternatives
     # (token, log p(token), [(token, log p), ...] the top ``logprobs``) per emitted token, under the row's
@@ -158,7 +160,7 @@ class Engine:
                     features = target_features(found, drafter, self.step_fn.layer_count)
                     drafter.observe(0, features[b: b + 1, : input_ids.shape[1] - 1])
             row = Row(config, drafter, job.on_tokens, generator, Stats(method=config.method), time.perf_counter(),
-                      input_ids, input_ids.shape[1], config.gamma, slot, logprobs=job.logprobs)
+                      input_ids, input_ids.shape[1], config.size_cap, slot, logprobs=job.logprobs)
             row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
             self.slots[slot] = row
             added.append(row)
@@ -200,13 +202,18 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """One draft-and-verify round for every row; returns the rows that finished (they leave the batch)."""
+        self._plan()
         drafts: dict[int, Draft | None] = {}
         for b, row in enumerate(self.slots):
             if row is None:
                 continue
-            budget = row.config.budget(row.gamma, row.remaining) if row.drafter is not None else None
-            draft = row.drafter.propose(row.sequence, budget, row.config.sampling, row.generator) \
-                if budget is not None else None
+            budget = row.config.budget(row.size, row.remaining) if row.drafter is not None else None
+            draft = None
+            if budget is not None:
+                clock = time.perf_counter()
+                draft = row.drafter.propose(row.sequence, budget, row.config.sampling, row.generator)
+                if draft is not None:
+                    self.step_fn.profile.observe_draft(_draft_key(row), row.size, 1000 * (time.perf_counter() - clock))
             if row.config.draft_only and not row.drafter.wants_target_features and draft is not None and len(draft):
                 row.stats.record_step(len(draft), len(draft), None)  # the draft decodes alone: nothing to verify
                 self._emit(row, draft.tokens.tolist())
@@ -224,6 +231,21 @@ class Engine:
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
         return finished
+
+    def _plan(self) -> None:
+        """Choose this step's draft size for every row under the cost schedule (``cost.plan``): from the
+        measured costs of this target and drafter, and each row's running acceptance."""
+        planned = [(b, row) for b, row in enumerate(self.slots) if row is not None and row.drafter is not None
+                   and row.config.gamma_schedule == "cost" and not row.config.draft_only and row.config.method != "ar"]
+        if not planned:
+            return
+        options = [Option(_draft_key(row), min(row.config.size_cap, max(row.remaining - 1, 0)),
+                          (row.config.tree_total_tokens, row.config.tree_top_k) if row.config.tree else None)
+                   for _, row in planned]
+        sizes = plan(options, [row.acceptance for _, row in planned], self.step_fn.profile, self.step_fn.shape,
+                     len(self.slots) - len(planned))
+        for (_, row), size in zip(planned, sizes):
+            row.size = size
 
     def _verify(self, drafts: dict[int, Draft | None]) -> None:
         """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them."""
@@ -251,9 +273,13 @@ class Engine:
         starts_list = self.cache.lengths[:rows]
         starts = torch.tensor(starts_list, dtype=torch.long, device=self.device)
         mask = attention_mask(starts, tree, self.cache.capacity)
+        clock = time.perf_counter()
         logits, found = self.step_fn(self.cache, tokens, starts[:, None] + depths, write_positions(starts, width),
                                      mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # the time of the forward itself (the rules sync right after)
+        self.step_fn.profile.observe_target(rows * width, 1000 * (time.perf_counter() - clock))
         verdicts = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
         for b, draft in drafts.items():
             row, n = self.slots[b], sizes[b]
@@ -268,8 +294,10 @@ class Engine:
                 row.drafter.observe(row.sequence.shape[1] - 1, features_b)
             row.stats.target_forwards += 1
             row.stats.record_step(verdict.proposed, len(verdict.path), verdict.d)
+            if row.config.gamma_schedule == "cost" and verdict.proposed:
+                row.acceptance.record(verdict.proposed, len(verdict.path))
             if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
-                row.gamma = row.gamma + 2 if len(verdict.path) == verdict.proposed else max(1, row.gamma - 1)
+                row.size = row.size + 2 if len(verdict.path) == verdict.proposed else max(1, row.size - 1)
             new = (draft.tokens[verdict.path].tolist() if verdict.path else []) + [verdict.token]
             if row.logprobs is not None:  # token i came from the target's distribution at kept column i
                 log_p = log_probs(logits[b, kept], row.config.sampling)
@@ -311,6 +339,11 @@ class Engine:
             row.finish_reason = "stop"
         elif row.remaining <= 0:
             row.finish_reason = "length"
+
+
+def _draft_key(row: Row) -> str:
+    """Whose drafting costs a row's drafting adds to: the drafter, and its shape."""
+    return f"{row.drafter.name}:{'tree' if row.config.tree else 'chain'}"
 
 
 def _check(job: Job) -> None:

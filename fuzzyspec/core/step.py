@@ -21,12 +21,14 @@ of the asked features [B, k, H].
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .cost import Profile
 from .kvcache import StaticCache
 
 Features = dict[int, Tensor]
@@ -202,6 +204,9 @@ class TargetStep:
         self.layer_count = model.config.num_hidden_layers
         self.compile, self.widths = compile, widths
         self._compiled: nn.Module | None = None
+        self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
+        self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
+        self.profile = Profile()  # what its steps (and its drafters') cost here, measured as they run
 
     def shape(self, width: int, rows: int) -> tuple[int, int]:
         """The (width, rows) a step of this many tokens per row and rows runs at."""
@@ -213,8 +218,13 @@ class TargetStep:
     def __call__(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
                  slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = (),
                  compiled: bool = False) -> tuple[Tensor, Features]:
-        forward = self._compiled_forward() if compiled and self.compile else self.forward
-        return forward(cache, tokens, positions, write, mask, slots, keep, features)
+        if not (compiled and self.compile):
+            return self.forward(cache, tokens, positions, write, mask, slots, keep, features)
+        shape = (*tokens.shape, cache.capacity)
+        if shape not in self._shapes and self.on_compile is not None:
+            self.on_compile(*tokens.shape)
+        self._shapes.add(shape)
+        return self._compiled_forward()(cache, tokens, positions, write, mask, slots, keep, features)
 
     def _compiled_forward(self) -> nn.Module:
         if self._compiled is None:

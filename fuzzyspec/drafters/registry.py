@@ -47,15 +47,20 @@ class DrafterSpec:
 
 @dataclass
 class DrafterSource:
-    """A loaded drafter: ``name`` as asked, ``module`` its weights (None for prompt lookup), ``new(vocab_size)``
-    a fresh per-sequence drafter for a pair sharing ``vocab_size`` logit columns, ``width`` the
-    target-vocabulary columns its logits cover (None: any)."""
+    """A loaded drafter: ``name`` as asked, ``module`` its weights (None for prompt lookup), ``make`` what makes
+    a per-sequence drafter, ``width`` the target-vocabulary columns its logits cover (None: any)."""
 
     name: str
     module: torch.nn.Module | None
-    new: Callable[[int], Drafter]
+    make: Callable[[int], Drafter]
     width: int | None = None
     drafts_trees: bool = False
+
+    def new(self, vocab_size: int) -> Drafter:
+        """A fresh drafter for one sequence of a pair sharing ``vocab_size`` logit columns."""
+        drafter = self.make(vocab_size)
+        drafter.name = self.name
+        return drafter
 
 
 def describe(name: str) -> DrafterSpec:
@@ -83,17 +88,18 @@ def describe(name: str) -> DrafterSpec:
 
 
 def load_drafter(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                 target_name: str | None = None, dtype: str = "auto", device: str = "cpu") -> DrafterSource:
-    """Load the drafter ``name`` (see the module docstring) for ``target``."""
+                 target_name: str | None = None, dtype: str = "auto", device: str = "cpu", weights: str = "auto"
+                 ) -> DrafterSource:
+    """Load the drafter ``name`` (see the module docstring) for ``target``; a draft model in ``weights``'s form."""
     describe(name)
     source = _load(DEFAULT_JOB["draft"] if name == DEFAULT_DRAFT else name, target, tokenizer, target_name, dtype,
-                   device)
+                   device, weights)
     source.name = name
     return source
 
 
 def _load(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, target_name: str | None,
-          dtype: str, device: str) -> DrafterSource:
+          dtype: str, device: str, weights: str) -> DrafterSource:
     if name in SHIPPED_KINDS:
         if target_name not in (None, EMBEDDED):
             raise LoadError("the shipped drafters are for the embedded target only: pass --draft for this target")
@@ -113,7 +119,7 @@ def _load(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             raise LoadError(str(error)) from None
     if is_shared_draft(name):
         return _draft_lm(name, load_draft_lm(name, target))
-    draft, draft_tokenizer = load_model(name, dtype, device)
+    draft, draft_tokenizer = load_model(name, dtype, device, weights)
     if tokenizer is not None:  # the transformers hook has no tokenizer: the logit widths are checked there
         check_vocabularies(tokenizer, draft_tokenizer)
     return _draft_lm(name, DraftLM(draft))

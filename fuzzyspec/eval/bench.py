@@ -46,6 +46,8 @@ class Settings:
     target: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    weights: str = "auto"
+    compile: bool = False
     calibration_prompts: int = CALIBRATION_PROMPTS
     calibration_tokens: int = CALIBRATION_TOKENS
     decoding: dict = field(default_factory=lambda: {"seed": 0, "max_new_tokens": 256})
@@ -99,17 +101,17 @@ def plan(drafts: list[str], rules: list[str], divergences: list[str], thresholds
 
 
 def hardware(device: str) -> str:
-    """A short description of what the numbers were measured on."""
+    """A short description of what the numbers were measured on: the CPU (and its instruction sets), threads,
+    the GPU where one is used."""
+    from ..tuning import machine
+
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    text = f"{cpu}, {torch.get_num_threads()} threads"
-    if device != "cpu" and torch.cuda.is_available():
-        text = f"{torch.cuda.get_device_name()} ({text})"
-    return text
+    return f"{cpu}; {machine(device)}"
 
 
 def _read_jsonl(path: Path) -> Iterator[dict]:
@@ -176,11 +178,11 @@ class Sweep:
         if name not in self._pairs:
             s = self.settings
             if not self._pairs:
-                base = ModelPair.load(s.target, None, s.dtype, s.device)
+                base = ModelPair.load(s.target, None, s.dtype, s.device, s.weights, s.compile)
                 self._pairs["ar"] = base
             base = self._pairs["ar"]
             if name != "ar":
-                self._pairs[name] = base.with_drafter(name, s.target)
+                self._pairs[name] = base.with_drafter(name, s.target, s.dtype, s.device, s.weights)
         return self._pairs[name]
 
     def ids(self, example: Example) -> torch.Tensor:
@@ -190,8 +192,10 @@ class Sweep:
 
     def config(self, spec: Spec, threshold: float | None, **overrides: Any) -> DecodeConfig:
         """The row's decoding: the sweep's options, the row's rule, and trees where the drafter's name asks
-        for them (``+tree``; the default drafter drafts them anyway, as the default job does)."""
-        options = dict(self.settings.decoding, method=spec.rule)
+        for them (``+tree``; the default drafter drafts them anyway, as the default job does). A row drafts
+        its full size every step unless the sweep asks for a schedule: a curve compares rules at fixed draft
+        sizes, and the cost schedule would turn rows that do not pay on this machine into AR."""
+        options = {"gamma_schedule": "constant"} | dict(self.settings.decoding, method=spec.rule)
         if spec.draft.endswith(TREE_SUFFIX):
             options["tree"] = True
         if spec.rule in FUZZY:
@@ -317,7 +321,7 @@ class Sweep:
             "acceptance_rate": total["accepted"] / total["proposed"] if total["proposed"] else None,
             "target_forwards": total["target_forwards"], "new_tokens": total["new_tokens"],
             "prompts": len(records), "seed": s.option("seed"), "target": s.target or EMBEDDED,
-            "dtype": s.dtype, "device": s.device, "temperature": s.option("temperature"), "top_k": s.option("top_k"),
+            "dtype": s.dtype, "weights": s.weights, "compiled": s.compile, "device": s.device, "temperature": s.option("temperature"), "top_k": s.option("top_k"),
             "top_p": s.option("top_p"), "gamma": s.option("gamma"), "max_new_tokens": s.option("max_new_tokens"), "hardware": hardware(s.device), "key": spec.key,
         }
 

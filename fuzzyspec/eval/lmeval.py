@@ -55,7 +55,7 @@ class FuzzySpecLM(TemplateLM):
 
     def __init__(self, target: str | None = None, draft: str | None = None, dtype: str = "auto",
                  device: str | None = None, max_length: int | None = None, batch_size: int | str = 1,
-                 **options: Any) -> None:
+                 weights: str = "auto", **options: Any) -> None:
         super().__init__()
         if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             if device is not None:  # lm-eval's own --device defaults to cuda
@@ -75,7 +75,7 @@ class FuzzySpecLM(TemplateLM):
             DecodeConfig.from_options(self.options, drafter=describe(draft) if draft is not None else None)
         except OptionError as error:
             raise ValueError(f"fuzzyspec: model argument {error}") from None
-        self.pair = ModelPair.load(target, draft, dtype, device)
+        self.pair = ModelPair.load(target, draft, dtype, device, weights)
         self.pair.target.eval()
         self.tokenizer = self.pair.tokenizer
         self._max_length = max_length or getattr(self.pair.target.config, "max_position_embeddings", 2048)

@@ -58,7 +58,7 @@ class Server:
         self.pair, self.config = pair, config
         self.registry = CollectorRegistry()
         observed = histograms(self.registry)
-        self.scheduler = Scheduler(pair.target, pair.drafter, pair.tokenizer, pair.vocab_size, config.max_batch,
+        self.scheduler = Scheduler(pair.step, pair.drafter, pair.tokenizer, pair.vocab_size, config.max_batch,
                                    config.max_queue, lambda name, value: observed[name].observe(value))
         self.registry.register(Collector(self.scheduler))
         ProcessCollector(registry=self.registry)

@@ -24,6 +24,7 @@ from ..core.draft import Drafter
 from ..core.engine import Engine, Job, Row, admit
 from ..core.scoring import log_probs, target_logits, token_logprobs
 from ..core.stats import Stats
+from ..core.step import TargetStep
 from ..text import TextStream
 
 
@@ -88,7 +89,7 @@ class Counters:
 class Scheduler:
     """Runs requests in a batch on a background thread; ``make_drafter`` gives each request its drafter."""
 
-    def __init__(self, target: torch.nn.Module, make_drafter: Callable[[DecodeConfig], Drafter | None],
+    def __init__(self, target: torch.nn.Module | TargetStep, make_drafter: Callable[[DecodeConfig], Drafter | None],
                  tokenizer: Any, vocab_size: int, max_batch: int = 16, max_queue: int = 64,
                  observe: Callable[[str, float], None] | None = None) -> None:
         self.engine = Engine(target, vocab_size)
@@ -293,4 +294,4 @@ class Scheduler:
         else:
             with self._lock:
                 self.waiting.extendleft(reversed(waiting))
-        self.engine = Engine(self.engine.target, self.engine.vocab_size)
+        self.engine = Engine(self.engine.step_fn, self.engine.vocab_size)

@@ -166,7 +166,7 @@ def train(config: TrainConfig, train_data: TokenDataset | None = None, eval_data
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     if target is None:
-        target, tokenizer = load_model(config.target, config.dtype, config.device)
+        target, tokenizer = load_model(config.target, config.dtype, config.device, weights=None)
     target.requires_grad_(False)
     if train_data is None:
         train_data = load_data(config.data, tokenizer, "train", config.max_tokens, config.limit)

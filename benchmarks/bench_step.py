@@ -1,0 +1,289 @@
+"""The fast step on the CPU: what a target step costs by width, what drafting costs, and what decoding gains.
+
+Everything in one process, on the embedded SmolLM2-135M-Instruct and its shipped drafters, greedy:
+
+1. the verification cost curve: one forward of k tokens after 128 cached ones (batch 1), k = 1..32, for each
+   weights form (fp32: the GGUF dequantized; int4: its own 4-bit weights), eager and compiled (compiled at the
+   widths the engine pads to; the first call's seconds, the compilation, beside);
+2. each drafter's proposal cost by size (chain tokens, tree depth);
+3. decoding the everyday prompts (fuzzyspec/prompts/everyday.jsonl, never trained on), every configuration
+   interleaved per prompt (the starting one rotating): AR before this work (the engine of the commit named
+   by --before, fp32 eager, imported from ``git archive`` as a second package), our AR, the default job
+   (cost-sized lossless EAGLE-2 trees), and other drafters and rules, in each form, eager and compiled;
+   tokens/s and its ratio to the old AR and to compiled AR of the same form, tokens per target pass, the
+   acceptance step's share of decoding time, and the default job per prompt category;
+4. llama.cpp's plain decoding of the same GGUF on the same threads, when llama-cpp-python is installed;
+5. with --cli, the README's main command in fresh processes against ``--method ar``: the first run (a fresh
+   cache holding only the GGUF) and a second one.
+
+Every figure is a median or a sum measured here; the header records the CPU's instruction sets, because a
+machine with AVX2 only and one with AVX512-BF16 behave differently.
+
+Usage: python benchmarks/bench_step.py [--prompts 16] [--max-new-tokens 128] [--threads 2] [--forms int4,fp32]
+           [--modes eager,compiled] [--rows default,ar,...] [--curve 1,2,...] [--cli] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fuzzyspec import tuning
+from fuzzyspec.api import ModelPair
+from fuzzyspec.core.step import TargetStep
+from fuzzyspec.loading import cache_dir, embedded_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+EVERYDAY = ROOT / "fuzzyspec" / "prompts" / "everyday.jsonl"
+MAIN_PROMPT = "Explain speculative decoding in one sentence."
+# name -> (drafter, decoding options); "default" and "ar" are the job and the target alone.
+ROWS = {
+    "ar": (None, {"method": "ar"}),
+    "default": ("default", {}),
+    "eagle trees sd, constant 16/5/4": ("eagle", {"method": "sd", "tree": True, "gamma_schedule": "constant"}),
+    "eagle chain sd": ("eagle", {"method": "sd"}),
+    "eagle trees fsd-hybrid js 0.2": ("eagle", {"method": "fsd-hybrid", "tree": True, "threshold": 0.2}),
+    "draft LM chain sd": ("draft", {"method": "sd"}),
+    "draft LM chain fsd-hybrid js 0.3": ("draft", {"method": "fsd-hybrid", "threshold": 0.3}),
+    "lookup sd": ("lookup", {"method": "sd"}),
+}
+
+
+def everyday(count: int) -> list[tuple[str, str]]:
+    """(category, prompt), every category in turn."""
+    rows = [json.loads(line) for line in EVERYDAY.read_text().splitlines() if line.strip()]
+    categories = list(dict.fromkeys(row["category"] for row in rows))
+    by = {c: [row["prompt"] for row in rows if row["category"] == c] for c in categories}
+    ordered = [(c, by[c][i]) for i in range(max(map(len, by.values()))) for c in categories if i < len(by[c])]
+    return ordered[:count]
+
+
+def old_engine(commit: str):
+    """The decode function and config class of the engine at ``commit`` (a second package, ``before``)."""
+    folder = Path(tempfile.mkdtemp(prefix="fuzzyspec-before-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "fuzzyspec"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    spec = importlib.util.spec_from_file_location("before", folder / "fuzzyspec" / "__init__.py",
+                                                  submodule_search_locations=[str(folder / "fuzzyspec")])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["before"] = package
+    spec.loader.exec_module(package)
+    from before.core.decoding import DecodeConfig, decode  # noqa: E402 (the package just made)
+    return decode, DecodeConfig
+
+
+class LlamaCpp:
+    """llama.cpp's own greedy decoding of the same GGUF file, fed the same token ids."""
+
+    def __init__(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.model = Llama(model_path=str(embedded_gguf()), n_threads=threads, n_ctx=4096, verbose=False)
+
+    def generate(self, ids: list[int], count: int) -> float:
+        self.model.reset()
+        start, made = time.perf_counter(), 0
+        for _ in self.model.generate(ids, top_k=1, temp=0.0, reset=True):
+            made += 1
+            if made == count:
+                break
+        return time.perf_counter() - start
+
+
+def curve(pairs: dict[str, ModelPair], widths: tuple[int, ...], modes: list[str]) -> dict:
+    """The verification cost curve per form and mode."""
+    result = {}
+    for form, pair in pairs.items():
+        for mode in modes:
+            compiled = mode == "compiled"
+            step = TargetStep(pair.target, compile=compiled)
+            used = tuple(sorted({step.shape(w, 1)[0] for w in widths})) if compiled else widths
+            times, first = tuning.measure_target(step, used, compiled=compiled, progress=tuning.progress_line)
+            result[f"{form} {mode}"] = {"ms": times, "first_s": first}
+    return result
+
+
+def drafting(pairs: dict[str, ModelPair]) -> dict:
+    """Each drafter's proposal ms by size, per form."""
+    result = {}
+    for form, pair in pairs.items():
+        for name in ("eagle", "draft"):
+            drafted = pair.with_drafter(name)
+            for tree in (False, True) if drafted.draft.drafts_trees else (False,):
+                result[f"{form} {name} {'tree' if tree else 'chain'}"] = tuning.measure_drafter(
+                    drafted, tree, range(1, 6))
+    return result
+
+
+def decode_rows(pairs: dict[str, ModelPair], modes: list[str], rows: list[str], prompts: list[tuple[str, str]],
+                tokens: int, before, llama: LlamaCpp | None) -> dict:
+    """Decode every prompt with every configuration, interleaved; totals per configuration and category."""
+    configs = []  # (label, pair, options)
+    for form, pair in pairs.items():
+        for mode in modes:
+            step = TargetStep(pair.target, compile=mode == "compiled")
+            key = pair.profile_key.rsplit("|", 1)[0] + ("|compiled" if mode == "compiled" else "|eager")
+            step.profile = tuning.load(key)  # what this form's steps cost here, as measured so far (and kept)
+            for row in rows:
+                drafter, options = ROWS[row]
+                drafted = pair.with_drafter(drafter) if drafter is not None else pair
+                configs.append((f"{row} [{form} {mode}]",
+                                ModelPair(pair.target, pair.tokenizer, drafted.draft, step, key), options))
+    first = next(iter(pairs.values()))
+    labels = [label for label, _, _ in configs] + (["before: AR [fp32 eager]"] if before else []) + \
+        (["llama.cpp (same GGUF)"] if llama else [])
+    totals = {label: {"tokens": 0, "seconds": 0.0, "passes": 0, "accept_s": 0.0, "by_category": {}}
+              for label in labels}
+    common = {"max_new_tokens": tokens, "eos_token_ids": ()}
+    print(f"fuzzyspec: warming {len(configs)} configurations (compiles where compiled) ...", file=sys.stderr)
+    for label, pair, options in configs:
+        pair.generate("Hello there.", **(common | options | {"max_new_tokens": 8}))
+    fp32 = pairs.get("fp32")
+    for index, (category, prompt) in enumerate(prompts):
+        ids = first.encode(prompt)
+        order = labels[index % len(labels):] + labels[: index % len(labels)]
+        for label in order:
+            if label.startswith("before"):
+                decode, config_class = before
+                clock = time.perf_counter()
+                out, stats = decode(fp32.target, None, ids, config_class(method="ar", max_new_tokens=tokens), fp32.vocab_size)
+                seconds, made, passes, accept_s = time.perf_counter() - clock, out.shape[1], stats.target_forwards, 0.0
+            elif label.startswith("llama.cpp"):
+                seconds, made, passes, accept_s = llama.generate(ids[0].tolist(), tokens), tokens, tokens, 0.0
+            else:
+                _, pair, options = next(c for c in configs if c[0] == label)
+                clock = time.perf_counter()
+                result = pair.generate(ids, **(common | options))
+                seconds = time.perf_counter() - clock
+                made, passes, accept_s = result.stats.new_tokens, result.stats.target_forwards, result.stats.accept_s
+            total = totals[label]
+            total["tokens"] += made
+            total["seconds"] += seconds
+            total["passes"] += passes
+            total["accept_s"] += accept_s
+            cat = total["by_category"].setdefault(category, [0, 0.0])
+            cat[0] += made
+            cat[1] += seconds
+        print(f"fuzzyspec: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    return totals
+
+
+def cli_runs(repeats: int) -> dict:
+    """The README's main command against --method ar, fresh processes: the first run with a fresh cache holding
+    only the GGUF, then a second run with that cache; seconds of the whole process, and the answer's tokens."""
+    results = {}
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="fuzzyspec-cache-") as fresh:
+        for attempt in ("first run", "second run"):
+            for label, extra in (("default job", []), ("ar", ["--method", "ar"])):
+                cache = Path(fresh) / label.replace(" ", "-")
+                if attempt == "first run":
+                    (cache / "gguf").mkdir(parents=True)
+                    shutil.copy(embedded_gguf(), cache / "gguf" / embedded_gguf().name)
+                env["FUZZYSPEC_CACHE"] = str(cache)
+                times = []
+                for _ in range(1 if attempt == "first run" else repeats):
+                    clock = time.perf_counter()
+                    done = subprocess.run([sys.executable, "-m", "fuzzyspec", "--threads", str(torch.get_num_threads()),
+                                           "generate", MAIN_PROMPT, "--json", *extra], capture_output=True, text=True,
+                                          env=env, timeout=1800)
+                    times.append(time.perf_counter() - clock)
+                    if done.returncode:
+                        raise SystemExit(done.stderr)
+                answer = json.loads(done.stdout)
+                results[f"{label}, {attempt}"] = {"seconds": statistics.median(times),
+                                                  "tokens": answer["stats"]["new_tokens"],
+                                                  "tokens_per_pass": answer["stats"]["mean_accepted"]}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--forms", default="int4,fp32", help="weights forms: int4, fp32, bf16")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"decoding rows, of: {', '.join(ROWS)}")
+    parser.add_argument("--curve", default="1,2,3,4,5,6,8,12,17,24,32", help="widths of the cost curve ('' : none)")
+    parser.add_argument("--no-drafting", action="store_true", help="skip the drafters' proposal costs")
+    parser.add_argument("--before", default="628761a", help="the commit whose eager AR is the baseline ('': none)")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--cli", action="store_true", help="also time the README's main command in fresh processes")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    modes = [m for m in args.modes.split(",") if m]
+    rows = [r for r in args.rows.split(",") if r]
+    forms = [f for f in args.forms.split(",") if f]
+    pairs = {form: ModelPair.load(draft=None, weights=form) for form in forms}
+    report = {"machine": tuning.machine(), "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts,
+              "max_new_tokens": args.max_new_tokens, "dtype": {f: str(p.target.dtype) for f, p in pairs.items()}}
+    print(f"fuzzyspec bench_step: {report['machine']}; forms {', '.join(forms)}; {args.prompts} everyday prompts x "
+          f"{args.max_new_tokens} tokens, greedy; {time.strftime('%Y-%m-%d')}")
+    widths = tuple(int(w) for w in args.curve.split(",") if w)
+    if widths:
+        report["curve"] = curve(pairs, widths, modes)
+        print("\nverification cost: ms of one forward of k tokens after 128 (x the same at k = 1); compiled: first call s")
+        for label, measured in report["curve"].items():
+            one = measured["ms"][min(measured["ms"])]
+            cells = "  ".join(f"{k}:{ms:.1f}(x{ms / one:.2f})" for k, ms in measured["ms"].items())
+            first = "  first: " + ", ".join(f"{k}:{s:.0f}s" for k, s in measured["first_s"].items()) if measured["first_s"] else ""
+            print(f"  {label:<16} {cells}{first}")
+    if not args.no_drafting:
+        report["drafting"] = drafting({form: pairs[form] for form in forms[:1]})
+        print("\ndrafting: ms of one proposal by size (chain tokens, tree depth)")
+        for label, sizes in report["drafting"].items():
+            print(f"  {label:<22} " + "  ".join(f"{size}:{ms:.1f}" for size, ms in sizes.items()))
+    before = old_engine(args.before) if args.before and "fp32" in pairs else None
+    llama = None
+    if not args.no_llama_cpp:
+        with contextlib.suppress(ImportError):
+            llama = LlamaCpp(args.threads)
+        if llama is None:
+            print("(llama-cpp-python is not installed: no llama.cpp row)", file=sys.stderr)
+    if rows:
+        prompts = everyday(args.prompts)
+        totals = decode_rows(pairs, modes, rows, prompts, args.max_new_tokens, before, llama)
+        report["decoding"] = totals
+        rate = {label: t["tokens"] / t["seconds"] for label, t in totals.items()}
+        base = rate.get("before: AR [fp32 eager]")
+        print(f"\ndecoding: {len(prompts)} everyday prompts x {args.max_new_tokens} tokens")
+        print(f"  {'configuration':<52} {'tok/s':>7} {'x before AR':>11} {'x compiled AR':>13} {'tok/pass':>8} "
+              f"{'accept %':>8}")
+        for label, total in totals.items():
+            bracket = label[label.find("["):] if "[" in label else ""
+            compiled_ar = rate.get(f"ar [{bracket[1:-1].split()[0]} compiled]") if bracket else None
+            print(f"  {label:<52} {rate[label]:7.1f} {rate[label] / base if base else float('nan'):11.2f} "
+                  f"{rate[label] / compiled_ar if compiled_ar else float('nan'):13.2f} "
+                  f"{total['tokens'] / max(total['passes'], 1):8.2f} {100 * total['accept_s'] / total['seconds']:8.2f}")
+        print("\nthe default job against compiled AR of the same form, by category (tok/s ratio)")
+        for form in forms:
+            job, ar = totals.get(f"default [{form} compiled]"), totals.get(f"ar [{form} compiled]")
+            if job and ar:
+                print(f"  {form}: " + ", ".join(
+                    f"{c}: {(job['by_category'][c][0] / job['by_category'][c][1]) / (ar['by_category'][c][0] / ar['by_category'][c][1]):.2f}"
+                    for c in job["by_category"]))
+    if args.cli:
+        report["cli"] = cli_runs(repeats=3)
+        print("\nthe README's main command, whole processes (seconds; answer tokens; tokens per pass)")
+        for label, run in report["cli"].items():
+            print(f"  {label:<26} {run['seconds']:7.2f} s  {run['tokens']:4d} tokens  {run['tokens_per_pass'] or 0:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

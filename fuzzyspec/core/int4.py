@@ -1,0 +1,67 @@
+"""Linear layers on 4-bit weights, through PyTorch's own CPU int4 kernel.
+
+``aten._weight_int4pack_mm_for_cpu`` multiplies activations by a weight stored as 4-bit codes in groups
+of 32 consecutive inputs, each group with a scale and an offset::
+
+    W[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n]        g = k // 32, q in 0..15
+
+which is exactly the grid of llama.cpp's Q4_0 and Q4_1 blocks (``gguf`` hands them over code for code).
+The kernel vectorises bfloat16 activations only, so inputs are cast to bfloat16 for the product and the
+result back to the caller's dtype. The packed byte layout depends on the CPU the kernel was built for,
+so codes are packed when a model loads, never stored packed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+GROUP = 32  # inputs per quantization group (llama.cpp's block)
+
+
+def pack(codes: Tensor) -> Tensor:
+    """Codes [N, K] (0..15, int32) -> the kernel's packed uint8 [N, K/2] for this CPU."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+
+
+def available() -> bool:
+    """Whether this torch build has the CPU int4 kernel."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (no bias) with W held as packed 4-bit codes and per-group (scale, offset) in bfloat16.
+    ``packed`` [N, K/2] is ``pack``'s; ``scales_and_offsets`` [K/32, N, 2] (the groups first, as the kernel
+    takes them)."""
+
+    def __init__(self, packed: Tensor, scales_and_offsets: Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = scales_and_offsets.shape[1], packed.shape[1] * 2
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_offsets", scales_and_offsets.to(torch.bfloat16).contiguous())
+
+    @classmethod
+    def from_codes(cls, codes: Tensor, scales: Tensor, offsets: Tensor) -> "Int4Linear":
+        """``codes`` [N, K] (0..15, int32); ``scales`` and ``offsets`` [N, K/32], so that
+        W[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + offsets[n, k // 32]."""
+        out_features, in_features = codes.shape
+        if in_features % GROUP or out_features % 16:
+            raise ValueError(f"an int4 weight needs inputs in groups of {GROUP} and outputs in multiples of 16, "
+                             f"got {out_features}x{in_features}")
+        return cls(pack(codes), torch.stack([scales, offsets], -1).transpose(0, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_offsets)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def weight(self) -> Tensor:
+        """The float32 weight [N, K] the kernel multiplies by (for checks: a float copy of the weight)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        unit = torch.zeros_like(self.scales_and_offsets)
+        unit[..., 0], unit[..., 1] = 1.0, 8.0  # (q - 8) * 1 + 8 = q, exact in bfloat16
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, unit).T.float()
+        scales, offsets = (self.scales_and_offsets[..., i].float().T.repeat_interleave(GROUP, 1) for i in (0, 1))
+        return (codes - 8) * scales + offsets
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"

@@ -1,0 +1,250 @@
+"""A llama.cpp GGUF file as a target at its own 4-bit bytes: no float copy of a quantized weight is made.
+
+``load_int4`` builds a transformers ``LlamaForCausalLM`` on the meta device and fills it from the file:
+every decoder linear stored in Q4_0 or Q4_1 becomes a ``core.int4.Int4Linear`` holding the file's own
+codes (only each group's scale and offset are rounded to bfloat16, which the kernel takes); norms, the
+token embedding and any tensor in another format are dequantized to float32, exactly (Q8_0's
+d * q is exact in float32). The LM head stays the embedding's float32 rows.
+
+Formats (ggml's blocks of 32 along the input dimension; in a 4-bit block element j is the low nibble of
+byte j and element j + 16 its high nibble):
+
+- Q4_0: 18 bytes: float16 d, 16 bytes of codes; w = d * (q - 8)  -> scale d, offset 0;
+- Q4_1: 20 bytes: float16 d, float16 m, 16 bytes of codes; w = d * q + m  -> scale d, offset m + 8 d;
+- Q8_0: 34 bytes: float16 d, 32 int8; w = d * q (not 4-bit: kept as float32).
+
+llama.cpp's converter reorders the rows of the query and key projections (the two halves of each head's
+rotary dimensions interleaved); transformers' GGUF loader undoes it, and so does ``rope_rows`` here.
+Quantization groups run along the input dimension, so whole rows move and the codes stay the file's.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .core.int4 import GROUP, Int4Linear
+
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
+FOUR_BIT = {"Q4_0": 2, "Q4_1": 4}  # where a block's codes start
+BLOCK_BYTES = {name: size for name, _, size in TYPES.values()}
+LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+class Tensor4:
+    """One stored tensor: its format, its shape in PyTorch order ([out, in] for a linear) and its raw rows."""
+
+    def __init__(self, name: str, kind: str, shape: tuple[int, ...], raw: np.ndarray) -> None:
+        self.name, self.kind, self.shape, self.raw = name, kind, shape, raw
+
+
+class GGUFFile:
+    """The metadata and tensors of a GGUF (v2 or v3) file, memory-mapped: nothing is read until used.
+    Long metadata arrays (the tokenizer's 49k strings) are skipped; their length is kept."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._view, self._at = memoryview(data), 0
+        if self._bytes(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, tensors, entries = self._unpack("<IQQ")
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        self.metadata = {}
+        for _ in range(entries):
+            key = self._string()
+            self.metadata[key] = self._value(self._unpack("<I")[0])
+        infos = []
+        for _ in range(tensors):
+            name = self._string()
+            dims = self._unpack(f"<{self._unpack('<I')[0]}Q")
+            kind, offset = self._unpack("<IQ")
+            infos.append((name, dims, kind, offset))
+        align = int(self.metadata.get("general.alignment", 32))
+        base = -(-self._at // align) * align
+        self.tensors: dict[str, Tensor4] = {}
+        for name, dims, kind, offset in infos:
+            if kind not in TYPES:
+                self.tensors[name] = Tensor4(name, f"ggml type {kind}", tuple(reversed(dims)), data[:0])
+                continue
+            type_name, per_block, block_bytes = TYPES[kind]
+            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+            row_bytes = dims[0] // per_block * block_bytes
+            raw = data[base + offset: base + offset + rows * row_bytes].reshape(rows, row_bytes)
+            self.tensors[name] = Tensor4(name, type_name, tuple(int(d) for d in reversed(dims)), raw)
+        del self._view
+
+    def _bytes(self, n: int) -> bytes:
+        out = bytes(self._view[self._at: self._at + n])
+        self._at += n
+        return out
+
+    def _unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self._view, self._at)
+        self._at += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        return self._bytes(self._unpack("<Q")[0]).decode("utf-8", errors="replace")
+
+    def _value(self, kind: int):
+        if kind == 8:
+            return self._string()
+        if kind == 9:
+            item, count = self._unpack("<IQ")
+            if count <= 64:
+                return [self._value(item) for _ in range(count)]
+            for _ in range(count):  # skipped (the tokenizer's vocabulary, merges, ...)
+                if item == 8:
+                    length = self._unpack("<Q")[0]  # read before adding: reading moves the position
+                    self._at += length
+                elif item == 9:
+                    raise ValueError(f"{self.path}: nested metadata arrays are not supported")
+                else:
+                    self._at += struct.calcsize(_SCALARS[item])
+            return count
+        return self._unpack(_SCALARS[kind])[0]
+
+    def floats(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
+        """A tensor dequantized to float32, a few thousand rows at a time straight into the result."""
+        tensor = self.tensors[name]
+        if tensor.kind not in BLOCK_BYTES:
+            raise ValueError(f"{self.path}: {name} is stored as {tensor.kind}, which this reader does not decode")
+        raw = tensor.raw if rows is None else tensor.raw[rows]
+        out = torch.empty(tensor.shape, dtype=torch.float32)
+        flat = out.view(raw.shape[0], -1)
+        for start in range(0, raw.shape[0], 4096):
+            flat[start: start + 4096] = torch.from_numpy(_decode(raw[start: start + 4096], tensor.kind))
+        return out
+
+
+def _decode(raw: np.ndarray, kind: str) -> np.ndarray:
+    """float32 [rows, cols] from rows of F32, F16, Q8_0, Q4_0 or Q4_1 blocks."""
+    if kind == "F32":
+        return raw.view(np.float32).copy()
+    if kind == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    rows = raw.shape[0]
+    if kind == "Q8_0":
+        blocks = raw.reshape(rows, -1, 34)
+        scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)
+        return (blocks[..., 2:].view(np.int8).astype(np.float32) * scale).reshape(rows, -1)
+    codes, scales, offsets = four_bit(raw, kind)
+    return (codes.astype(np.float32) - 8) * np.repeat(scales, GROUP, 1) + np.repeat(offsets, GROUP, 1)
+
+
+def four_bit(raw: np.ndarray, kind: str, rows: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0 or Q4_1 rows -> codes int32 [N, K] and float32 scales and offsets [N, K/32], such that
+    w = (code - 8) * scale + offset (the kernel's formula). ``rows``: an order for whole rows."""
+    blocks = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[kind])
+    if rows is not None:
+        blocks = blocks[rows]
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":  # w = d q + m = d (q - 8) + (m + 8 d)
+        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scales
+    else:  # Q4_0 is centred already: w = d (q - 8)
+        offsets = np.zeros_like(scales)
+    nibbles = blocks[..., FOUR_BIT[kind]:]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], -1).reshape(blocks.shape[0], -1).astype(np.int32)
+    return codes, scales, offsets
+
+
+def rope_rows(count: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's reordering of a query or key projection: row r of the
+    Hugging Face weight is row order[r] of the file's."""
+    half = count // heads // 2
+    return np.arange(count).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+def llama_config(gguf: GGUFFile):
+    """The transformers LlamaConfig a GGUF file's metadata describes (the llama architecture only)."""
+    from transformers import LlamaConfig
+
+    meta = gguf.metadata
+    if meta.get("general.architecture") != "llama":
+        raise ValueError(f"int4 weights are implemented for llama GGUFs; {gguf.path} is "
+                         f"{meta.get('general.architecture')!r}: load it with --weights fp32")
+
+    def get(key: str, default=None):
+        return meta.get(f"llama.{key}", default)
+
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    return LlamaConfig(
+        vocab_size=gguf.tensors["token_embd.weight"].shape[0], hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"), num_hidden_layers=get("block_count"),
+        num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("rope.dimension_count", hidden // heads), max_position_embeddings=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_theta": get("rope.freq_base", 10000.0), "rope_type": "default"},
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"), dtype=torch.float32)
+
+
+def int4_linears(gguf: GGUFFile) -> int:
+    """How many of the decoder's linear layers the file stores in a 4-bit format the int4 kernel takes."""
+    return sum(tensor.kind in FOUR_BIT for name, tensor in gguf.tensors.items()
+               if name.startswith("blk.") and name.split(".")[2] in LINEARS)
+
+
+def load_int4(path: str | Path, packed_cache: Path | None = None) -> nn.Module:
+    """A LlamaForCausalLM whose decoder linears run on the file's own 4-bit codes (see the module docstring).
+    ``packed_cache``: a file keeping the packed weights, so that later loads skip packing them (the packed
+    layout depends on the CPU and torch build: the caller keys the file by both)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    packed = load_file(packed_cache) if packed_cache is not None and packed_cache.is_file() else {}
+    made: dict[str, torch.Tensor] = {}
+    gguf = GGUFFile(path)
+    config = llama_config(gguf)
+    if not int4_linears(gguf):
+        raise ValueError(f"{path} stores no decoder weight as Q4_0 or Q4_1, the int4 kernel's grid (Q4_K and others "
+                         "are not implemented): load it with --weights fp32")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    frozen = lambda tensor: nn.Parameter(tensor, requires_grad=False)  # noqa: E731
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for i, layer in enumerate(model.model.layers):
+        for short, where in LINEARS.items():
+            tensor = gguf.tensors[f"blk.{i}.{short}.weight"]
+            rows = rope_rows(tensor.shape[0], heads[short]) if short in heads else None
+            if tensor.kind in FOUR_BIT:
+                key = f"{i}.{where}"
+                if f"{key}.packed" in packed:
+                    module = Int4Linear(packed[f"{key}.packed"], packed[f"{key}.scales_and_offsets"])
+                else:
+                    codes, scales, offsets = four_bit(tensor.raw, tensor.kind, rows)
+                    module = Int4Linear.from_codes(*map(torch.from_numpy, (codes, scales, offsets)))
+                    made |= {f"{key}.packed": module.packed, f"{key}.scales_and_offsets": module.scales_and_offsets}
+            else:
+                module = nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, device="meta")
+                module.weight = frozen(gguf.floats(tensor.name, rows))
+            parent, name = where.split(".")
+            setattr(getattr(layer, parent), name, module)
+        layer.input_layernorm.weight = frozen(gguf.floats(f"blk.{i}.attn_norm.weight"))
+        layer.post_attention_layernorm.weight = frozen(gguf.floats(f"blk.{i}.ffn_norm.weight"))
+    model.model.norm.weight = frozen(gguf.floats("output_norm.weight"))
+    model.model.embed_tokens.weight = frozen(gguf.floats("token_embd.weight"))
+    model.lm_head.weight = model.model.embed_tokens.weight if config.tie_word_embeddings else \
+        frozen(gguf.floats("output.weight"))
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta
+    left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if left:
+        raise ValueError(f"{path}: no weights for {', '.join(left[:3])}")
+    model.generation_config = GenerationConfig.from_model_config(config)
+    if made and packed_cache is not None:
+        packed_cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = packed_cache.with_name(f"{packed_cache.name}.partial-{os.getpid()}")
+        save_file(made, partial)
+        os.replace(partial, packed_cache)
+    return model.eval()

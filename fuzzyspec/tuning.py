@@ -1,0 +1,179 @@
+"""What this machine charges for a target's steps and a drafter's proposals: profiles, kept in the cache.
+
+A profile (``core.cost.Profile``) is kept per target, weights form, dtype, device, CPU instruction set, thread
+count, torch version and compilation, in ``profiles.json`` in the fuzzyspec cache. The engine folds in what it
+measures as it decodes, and a pair saves it; ``measure`` (``fuzzyspec tune``) measures every width ahead of
+time, each drafter's proposals, and compiled steps beside eager ones with their compile times, so that the
+choice of draft sizes and of compiling is informed from the first token.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .core.cost import Acceptance, Option, Profile, plan
+from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+from .core.step import TargetStep
+from .loading import _cpu_flags, cache_dir
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 32)
+ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")
+
+
+def isa() -> str:
+    """The CPU's instruction-set extensions that decide how fast a step is (``avx2``, ``avx512_bf16``, ...)."""
+    flags = set(_cpu_flags())
+    return ",".join(flag for flag in ISA if flag in flags) or platform.machine()
+
+
+def machine(device: str = "cpu") -> str:
+    """One line saying what the numbers were measured on."""
+    text = f"{platform.machine()} [{isa()}], {torch.get_num_threads()} threads, torch {torch.__version__}"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        text = f"{torch.cuda.get_device_name()}; {text}"
+    return text
+
+
+def profile_key(target: str, form: str, device: str, compiled: bool) -> str:
+    return "|".join([target, form, device, isa(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
+                     "compiled" if compiled else "eager"])
+
+
+def profile_path() -> Path:
+    return cache_dir() / "profiles.json"
+
+
+def load(key: str) -> Profile:
+    """The profile saved under ``key`` (an empty one where none is)."""
+    try:
+        saved = json.loads(profile_path().read_text())
+    except (OSError, ValueError):
+        return Profile()
+    return Profile.from_dict(saved.get(key, {}))
+
+
+def save(key: str, profile: Profile) -> None:
+    """Keep ``profile`` under ``key`` (other keys kept; written whole, then renamed)."""
+    path = profile_path()
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    saved[key] = profile.to_dict() | {k: v for k, v in saved.get(key, {}).items() if k not in ("target", "draft")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    partial.write_text(json.dumps(saved, indent=1) + "\n")
+    os.replace(partial, path)
+    profile.updates = 0
+
+
+def note(key: str, **facts: object) -> None:
+    """Record facts beside a profile (compile times, what was compared)."""
+    path = profile_path()
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    saved.setdefault(key, {}).update(facts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved, indent=1) + "\n")
+
+
+def facts(key: str) -> dict:
+    try:
+        return json.loads(profile_path().read_text()).get(key, {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _median_ms(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm
+    times = []
+    for _ in range(repeats):
+        clock = time.perf_counter()
+        run()
+        times.append(1000 * (time.perf_counter() - clock))
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: int = 128, repeats: int = 5,
+                   compiled: bool = False, progress: Callable[[str], None] | None = None
+                   ) -> tuple[dict[int, float], dict[int, float]]:
+    """Milliseconds of one forward of ``width`` tokens after ``prefix`` cached ones, for each width (batch 1),
+    and, compiled, the seconds of each width's first call (its compilation, or loading it from the cache)."""
+    model = step.model
+    device = model.get_input_embeddings().weight.device
+    cache = StaticCache.for_model(model.config, 1, 256, model.get_input_embeddings().weight.dtype, device)
+    tokens = torch.randint(0, model.config.vocab_size, (1, prefix + max(widths)), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+    start = torch.zeros(1, dtype=torch.long, device=device)
+    step(cache, tokens[:, :prefix], write_positions(start, prefix), write_positions(start, prefix),
+         attention_mask(start, chain_tree(1, prefix, device), cache.capacity), None, 1)
+    cache.lengths = [prefix]
+    start = torch.tensor([prefix], device=device)
+    result: dict[int, float] = {}
+    compile_s: dict[int, float] = {}
+    for width in widths:
+        run_width, _ = step.shape(width, 1)
+        feed = tokens[:, prefix: prefix + run_width]
+        positions = write_positions(start, run_width)
+        mask = attention_mask(start, chain_tree(1, run_width, device), cache.capacity)
+        if progress is not None:
+            progress(f"target step, {width} token{'s' if width > 1 else ''}" + (" (compiling)" if compiled else ""))
+
+        def run() -> None:
+            step(cache, feed, positions, positions, mask, None, 0, (), compiled=compiled)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        if compiled:
+            clock = time.perf_counter()
+            run()
+            compile_s[width] = time.perf_counter() - clock
+        result[width] = _median_ms(run, repeats)
+    return result, compile_s
+
+
+@torch.inference_mode()
+def measure_drafter(pair, tree: bool, sizes: range, prompt: str = "Explain how a bicycle stays upright.",
+                    repeats: int = 5) -> dict[int, float]:
+    """Milliseconds of one proposal of each size (chain tokens, or tree depth) by the pair's drafter, after the
+    target has read ``prompt`` (feature-reading drafters need its features)."""
+    from .core.engine import Engine
+
+    config = pair.config(method="sd", tree=tree, gamma_schedule="constant", max_new_tokens=64)
+    drafter = pair.drafter(config)
+    engine = Engine(pair.step, pair.vocab_size)
+    row = engine.add(pair.encode(prompt), config, drafter)
+    engine.step()  # the target's first pass: the drafter now holds features of the prompt
+    result = {}
+    for size in sizes:
+        budget = config.budget(size, 64)
+        result[size] = _median_ms(lambda: drafter.propose(row.sequence, budget, config.sampling, row.generator),
+                                  repeats)
+    return result
+
+
+def choices(profile: Profile, options: dict[str, Option], rates: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
+            ) -> dict[str, dict[float, int]]:
+    """The draft size the planner picks for one row at each first-draft acceptance ``rates`` (later depths a
+    little lower, as measured drafters are), per drafter option."""
+    picked = {}
+    for key, option in options.items():
+        picked[key] = {}
+        for rate in rates:  # depth j accepted with probability rate * 0.95^(j - 1), as if seen 100 times
+            acceptance = Acceptance([100.0] * option.cap, [100.0 * rate * 0.95 ** j for j in range(option.cap)])
+            picked[key][rate] = plan([option], [acceptance], profile)[0]
+    return picked
+
+
+def progress_line(text: str) -> None:
+    print(f"fuzzyspec: measuring {text} ...", file=sys.stderr, flush=True)

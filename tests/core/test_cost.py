@@ -1,0 +1,86 @@
+"""Cost-aware speculation: the planner's arithmetic, and the engine following it."""
+import math
+
+import torch
+
+from conftest import tiny_llama
+from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.cost import Acceptance, Option, Profile, plan
+from fuzzyspec.core.engine import decode
+from fuzzyspec.core.step import TargetStep
+from fuzzyspec.drafters.model import ModelDrafter
+
+V = 32
+
+
+def accepting(rate: float, steps: int = 200) -> Acceptance:
+    """The counts of a row that drafted 5 deep ``steps`` times, each draft accepted with probability ``rate``."""
+    reached = [steps * rate ** depth for depth in range(5)]
+    return Acceptance(reached, [count * rate for count in reached])
+
+
+def test_expected_tokens_follow_the_acceptance_per_depth():
+    acceptance = accepting(0.5)
+    assert math.isclose(acceptance.rate(1), (100 + 0.6 * 2) / (200 + 2))
+    assert math.isclose(acceptance.expected(2), 1 + acceptance.rate(1) + acceptance.rate(1) * acceptance.rate(2))
+    fresh = Acceptance()
+    assert fresh.expected(1) == 1.6 and fresh.rate(3) == 0.6  # the optimistic prior
+    fresh.record(proposed=3, accepted=1)  # depth 1 passed, depth 2 was reached and failed, depth 3 unseen
+    assert fresh.reached == [1, 1, 0] and fresh.passed == [1, 0, 0]
+
+
+def test_where_verifying_costs_as_much_as_decoding_nothing_is_proposed():
+    profile = Profile(target={m: 10.0 * m for m in range(1, 40)})  # k tokens cost k single steps
+    options = [Option("d:chain", 5)]
+    assert plan(options, [accepting(0.9)], profile) == [0]
+
+
+def test_where_verifying_is_nearly_free_the_arithmetic_picks_the_size():
+    profile = Profile(target={1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 12.0, 6: 12.5}, draft={"d:chain": {
+        g: 2.0 * g for g in range(1, 6)}})
+    acceptance = accepting(0.7)
+    rates = {g: acceptance.expected(g) / (profile.target_ms(1 + g) + profile.draft_ms("d:chain", g))
+             for g in range(6)}
+    assert plan([Option("d:chain", 5)], [acceptance], profile) == [max(rates, key=rates.get)]
+    assert plan([Option("d:chain", 5)], [acceptance], profile) == plan([Option("d:chain", 5)], [acceptance], profile)
+    assert plan([Option("d:chain", 2)], [acceptance], profile)[0] <= 2  # the cap holds
+
+
+def test_trees_are_costed_by_their_nodes_and_batches_by_their_padded_shape():
+    option = Option("h:tree", 5, (16, 4))
+    assert [option.nodes(g) for g in range(6)] == [0, 4, 16, 16, 16, 16]
+    profile = Profile(target={1: 10.0, 17: 10.0, 18: 40.0, 128: 40.0})  # up to 17 tokens as cheap as one
+    # alone, a tree of any depth (17 tokens at most) is as cheap as one token: the deepest tree wins
+    assert plan([option], [accepting(0.8)], profile) == [5]
+    # beside 3 other rows, every row is padded to the tree's width: 4 x 5 or 4 x 17 tokens are too dear
+    assert plan([option], [accepting(0.8)], profile, others=3) == [0]
+    # two rows: depth 1 (4 nodes: 2 x 5 tokens) still costs one step; depth 2 (2 x 17 tokens) would not
+    assert plan([option, option], [accepting(0.8), accepting(0.8)], profile) == [1, 1]
+
+
+def test_the_engine_runs_ar_where_speculation_cannot_pay_and_stays_exact_where_it_does(target, draft):
+    prompt = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    config = DecodeConfig(method="sd", gamma=4, max_new_tokens=30, gamma_schedule="cost")
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False)[0, 6:].tolist()
+    dear = TargetStep(target)
+    dear.profile = Profile(target={m: 5.0 * m for m in range(1, 64)})
+    dear.profile.draft["ModelDrafter:chain"] = {g: 1.0 for g in range(1, 5)}
+    tokens, stats = decode(dear, ModelDrafter(draft, V), prompt, config, V)
+    assert tokens[0].tolist() == expected and stats.proposed == 0 and stats.target_forwards == 30
+    cheap = TargetStep(target)
+    cheap.profile = Profile(target={m: 5.0 for m in range(1, 64)}, draft={"ModelDrafter:chain": {
+        g: 0.1 for g in range(1, 5)}})
+    cheap.profile.target[1] = 5.0
+    tokens, stats = decode(cheap, ModelDrafter(draft, V), prompt, config, V)
+    assert tokens[0].tolist() == expected and stats.proposed > 0 and stats.target_forwards < 30
+    assert cheap.profile.updates > 0  # the engine folds in what it measures as it runs
+
+
+def test_the_engine_measures_what_it_has_not_seen():
+    """With an empty profile the first step runs AR; then a wider step looks as cheap as it and is tried, and
+    its measured cost decides from there on."""
+    model = tiny_llama(seed=5)
+    step = TargetStep(model)
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=12, gamma_schedule="cost")
+    decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
+    assert 1 in step.profile.target and len(step.profile.target) >= 2

@@ -1,0 +1,61 @@
+"""Int4 linear layers: the kernel's formula, and a model holding them decodes as its own target."""
+import pytest
+import torch
+
+from conftest import tiny_llama
+from fuzzyspec.core import int4
+from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.engine import decode
+from fuzzyspec.core.int4 import GROUP, Int4Linear
+from fuzzyspec.core.step import TargetStep
+from fuzzyspec.drafters.model import ModelDrafter
+
+pytestmark = pytest.mark.skipif(not int4.available(), reason="this torch build has no CPU int4 kernel")
+
+
+def quantize(weight: torch.Tensor) -> Int4Linear:
+    """Round a float weight to the int4 grid (per group of 32 inputs: a scale and an offset), as Q4_1 does."""
+    out_features, in_features = weight.shape
+    groups = weight.reshape(out_features, in_features // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp_min(1e-8)
+    codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32)
+    return Int4Linear.from_codes(codes.reshape(out_features, in_features), scales, low + 8 * scales)
+
+
+def test_the_layer_computes_with_its_codes_scales_and_offsets():
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (48, 64), generator=generator, dtype=torch.int32)
+    scales = torch.rand(48, 2, generator=generator) * 0.1 + 0.01
+    offsets = torch.randn(48, 2, generator=generator) * 0.1
+    layer = Int4Linear.from_codes(codes, scales, offsets)
+    expected = (codes.float() - 8) * scales.repeat_interleave(GROUP, 1) + offsets.repeat_interleave(GROUP, 1)
+    torch.testing.assert_close(layer.weight(), expected, rtol=0, atol=2 ** -7 * expected.abs().max().item())
+    x = torch.randn(5, 64, generator=generator)
+    torch.testing.assert_close(layer(x), x @ layer.weight().T, rtol=2e-2, atol=2e-2)
+    assert layer(x).dtype == torch.float32 and (layer.in_features, layer.out_features) == (64, 48)
+    with pytest.raises(ValueError, match="groups of 32"):
+        Int4Linear.from_codes(codes[:, :40], scales, offsets)
+
+
+def int4_model(seed: int) -> torch.nn.Module:
+    model = tiny_llama(seed=seed)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, quantize(child.weight.data))
+    return model
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile):
+    """sd reproduces the int4 target exactly: the engine's own forward (eager or compiled) gives the greedy text
+    of transformers' generate on the same int4 model."""
+    model = int4_model(seed=0)
+    prompt = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, 6:].tolist()
+    step = TargetStep(model, compile=compile)
+    for method in ("ar", "sd"):
+        tokens, stats = decode(step, ModelDrafter(draft, 32), prompt, DecodeConfig(method=method, max_new_tokens=20), 32)
+        assert tokens[0].tolist() == expected

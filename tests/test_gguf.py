@@ -1,0 +1,75 @@
+"""A GGUF at its own 4-bit bytes: the block formats, and the embedded target's weights against transformers'."""
+import numpy as np
+import pytest
+import torch
+
+from fuzzyspec import gguf
+from fuzzyspec.core import int4
+
+needs_kernel = pytest.mark.skipif(not int4.available(), reason="this torch build has no CPU int4 kernel")
+
+
+def blocks(kind: str, rows: int, groups: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random raw rows of Q4_0 or Q4_1 blocks, and the weights they stand for (llama.cpp's formulas)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (rows, groups, 32))
+    d = rng.uniform(0.01, 0.1, (rows, groups)).astype(np.float16)
+    m = rng.uniform(-0.5, 0.5, (rows, groups)).astype(np.float16)
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)  # element j low, j + 16 high
+    head = [d.view(np.uint8).reshape(rows, groups, 2)] + ([m.view(np.uint8).reshape(rows, groups, 2)]
+                                                          if kind == "Q4_1" else [])
+    raw = np.concatenate(head + [packed], -1).reshape(rows, -1)
+    d32, m32 = d.astype(np.float32)[..., None], m.astype(np.float32)[..., None]
+    weights = d32 * codes + m32 if kind == "Q4_1" else d32 * (codes - 8)
+    return raw, weights.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_four_bit_blocks_decode_to_llama_cpps_weights(kind):
+    raw, weights = blocks(kind, 16, 3)
+    np.testing.assert_allclose(gguf._decode(raw, kind), weights, rtol=1e-6, atol=1e-6)
+    codes, scales, offsets = gguf.four_bit(raw, kind)
+    assert codes.dtype == np.int32 and codes.min() >= 0 and codes.max() <= 15
+    order = gguf.rope_rows(16, 2)
+    reordered, _, _ = gguf.four_bit(raw, kind, order)
+    assert np.array_equal(reordered, codes[order])  # whole rows move; codes stay the file's
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_the_kernel_multiplies_by_the_files_weights(kind):
+    raw, weights = blocks(kind, 32, 2, seed=1)
+    layer = int4.Int4Linear.from_codes(*map(torch.from_numpy, gguf.four_bit(raw, kind)))
+    expected = torch.from_numpy(weights).float()
+    # only each group's scale and offset are rounded, to bfloat16 (relative 2^-8 of each)
+    torch.testing.assert_close(layer.weight(), expected, rtol=0, atol=2 ** -7 * expected.abs().max().item())
+
+
+def test_rope_rows_undo_the_interleaving_of_each_heads_halves():
+    order = gguf.rope_rows(8, 2)  # 2 heads of 4 rows: the file holds each head's rows as pairs (0, 2), (1, 3)
+    assert order.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+@pytest.mark.embedded
+@needs_kernel
+def test_the_embedded_target_holds_its_own_4bit_weights():
+    """Every decoder linear is the GGUF's codes (bf16-rounded group scales aside) and equals the float32 weight
+    transformers dequantizes from the same file; norms and the embedding are bit-identical."""
+    from safetensors.torch import load_file
+
+    from fuzzyspec.loading import embedded_folder, embedded_gguf
+
+    model = gguf.load_int4(embedded_gguf())
+    reference = load_file(str(embedded_folder() / "model.safetensors"))
+    linears = 0
+    for i, layer in enumerate(model.model.layers):
+        for name, module in layer.named_modules():
+            assert not isinstance(module, torch.nn.Linear), f"a float linear is left in layer {i}: {name}"
+            if isinstance(module, int4.Int4Linear):
+                linears += 1
+                expected = reference[f"model.layers.{i}.{name}.weight"]
+                torch.testing.assert_close(module.weight(), expected, rtol=0, atol=2 ** -7 * expected.abs().max().item())
+    assert linears == 7 * model.config.num_hidden_layers
+    assert torch.equal(model.model.embed_tokens.weight, reference["model.embed_tokens.weight"])
+    assert torch.equal(model.model.norm.weight, reference["model.norm.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
