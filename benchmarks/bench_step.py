@@ -51,7 +51,7 @@ MAIN_PROMPT = "Explain speculative decoding in one sentence."
 ROWS = {
     "ar": (None, {"method": "ar"}),
     "default": ("default", {}),
-    "eagle trees sd, constant 16/5/4": ("eagle", {"method": "sd", "tree": True, "gamma_schedule": "constant"}),
+    "eagle trees sd constant 16/5/4": ("eagle", {"method": "sd", "tree": True, "gamma_schedule": "constant"}),
     "eagle chain sd": ("eagle", {"method": "sd"}),
     "eagle trees fsd-hybrid js 0.2": ("eagle", {"method": "fsd-hybrid", "tree": True, "threshold": 0.2}),
     "draft LM chain sd": ("draft", {"method": "sd"}),
@@ -101,16 +101,27 @@ class LlamaCpp:
         return time.perf_counter() - start
 
 
-def curve(pairs: dict[str, ModelPair], widths: tuple[int, ...], modes: list[str]) -> dict:
-    """The verification cost curve per form and mode."""
-    result = {}
+def make_steps(pairs: dict[str, ModelPair], modes: list[str]) -> dict[tuple[str, str], TargetStep]:
+    """One target step per form and mode, shared by the curve and the decoding rows (so each compiled shape is
+    compiled once), with the costs kept for that form and mode on this machine."""
+    steps = {}
     for form, pair in pairs.items():
         for mode in modes:
-            compiled = mode == "compiled"
-            step = TargetStep(pair.target, compile=compiled)
-            used = tuple(sorted({step.shape(w, 1)[0] for w in widths})) if compiled else widths
-            times, first = tuning.measure_target(step, used, compiled=compiled, progress=tuning.progress_line)
-            result[f"{form} {mode}"] = {"ms": times, "first_s": first}
+            step = TargetStep(pair.target, compile=mode == "compiled")
+            step.profile_key = pair.profile_key.rsplit("|", 1)[0] + ("|compiled" if mode == "compiled" else "|eager")
+            step.profile = tuning.load(step.profile_key)
+            steps[form, mode] = step
+    return steps
+
+
+def curve(steps: dict[tuple[str, str], TargetStep], widths: tuple[int, ...]) -> dict:
+    """The verification cost curve per form and mode."""
+    result = {}
+    for (form, mode), step in steps.items():
+        compiled = mode == "compiled"
+        used = tuple(sorted({step.shape(w, 1)[0] for w in widths})) if compiled else widths
+        times, first = tuning.measure_target(step, used, compiled=compiled, progress=tuning.progress_line)
+        result[f"{form} {mode}"] = {"ms": times, "first_s": first}
     return result
 
 
@@ -126,20 +137,17 @@ def drafting(pairs: dict[str, ModelPair]) -> dict:
     return result
 
 
-def decode_rows(pairs: dict[str, ModelPair], modes: list[str], rows: list[str], prompts: list[tuple[str, str]],
-                tokens: int, before, llama: LlamaCpp | None) -> dict:
+def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], TargetStep], rows: list[str],
+                prompts: list[tuple[str, str]], tokens: int, before, llama: LlamaCpp | None) -> dict:
     """Decode every prompt with every configuration, interleaved; totals per configuration and category."""
     configs = []  # (label, pair, options)
-    for form, pair in pairs.items():
-        for mode in modes:
-            step = TargetStep(pair.target, compile=mode == "compiled")
-            key = pair.profile_key.rsplit("|", 1)[0] + ("|compiled" if mode == "compiled" else "|eager")
-            step.profile = tuning.load(key)  # what this form's steps cost here, as measured so far (and kept)
-            for row in rows:
-                drafter, options = ROWS[row]
-                drafted = pair.with_drafter(drafter) if drafter is not None else pair
-                configs.append((f"{row} [{form} {mode}]",
-                                ModelPair(pair.target, pair.tokenizer, drafted.draft, step, key), options))
+    for (form, mode), step in steps.items():
+        pair = pairs[form]
+        for row in rows:
+            drafter, options = ROWS[row]
+            drafted = pair.with_drafter(drafter) if drafter is not None else pair
+            configs.append((f"{row} [{form} {mode}]",
+                            ModelPair(pair.target, pair.tokenizer, drafted.draft, step, step.profile_key), options))
     first = next(iter(pairs.values()))
     labels = [label for label, _, _ in configs] + (["before: AR [fp32 eager]"] if before else []) + \
         (["llama.cpp (same GGUF)"] if llama else [])
@@ -149,13 +157,12 @@ def decode_rows(pairs: dict[str, ModelPair], modes: list[str], rows: list[str], 
     print(f"fuzzyspec: warming {len(configs)} configurations (compiles where compiled) ...", file=sys.stderr)
     for label, pair, options in configs:
         pair.generate("Hello there.", **(common | options | {"max_new_tokens": 8}))
-    fp32 = pairs.get("fp32")
     for index, (category, prompt) in enumerate(prompts):
         ids = first.encode(prompt)
         order = labels[index % len(labels):] + labels[: index % len(labels)]
         for label in order:
             if label.startswith("before"):
-                decode, config_class = before
+                decode, config_class, fp32 = before
                 clock = time.perf_counter()
                 out, stats = decode(fp32.target, None, ids, config_class(method="ar", max_new_tokens=tokens), fp32.vocab_size)
                 seconds, made, passes, accept_s = time.perf_counter() - clock, out.shape[1], stats.target_forwards, 0.0
@@ -227,6 +234,9 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     modes = [m for m in args.modes.split(",") if m]
     rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(map(repr, unknown))}; rows are {', '.join(ROWS)}")
     forms = [f for f in args.forms.split(",") if f]
     pairs = {form: ModelPair.load(draft=None, weights=form) for form in forms}
     report = {"machine": tuning.machine(), "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts,
@@ -234,8 +244,9 @@ def main() -> None:
     print(f"fuzzyspec bench_step: {report['machine']}; forms {', '.join(forms)}; {args.prompts} everyday prompts x "
           f"{args.max_new_tokens} tokens, greedy; {time.strftime('%Y-%m-%d')}")
     widths = tuple(int(w) for w in args.curve.split(",") if w)
+    steps = make_steps(pairs, modes)
     if widths:
-        report["curve"] = curve(pairs, widths, modes)
+        report["curve"] = curve(steps, widths)
         print("\nverification cost: ms of one forward of k tokens after 128 (x the same at k = 1); compiled: first call s")
         for label, measured in report["curve"].items():
             one = measured["ms"][min(measured["ms"])]
@@ -247,7 +258,10 @@ def main() -> None:
         print("\ndrafting: ms of one proposal by size (chain tokens, tree depth)")
         for label, sizes in report["drafting"].items():
             print(f"  {label:<22} " + "  ".join(f"{size}:{ms:.1f}" for size, ms in sizes.items()))
-    before = old_engine(args.before) if args.before and "fp32" in pairs else None
+    before = None
+    if args.before:  # the old engine on the float32 target (loaded for it where no fp32 row is asked for)
+        fp32 = pairs["fp32"] if "fp32" in pairs else ModelPair.load(draft=None, weights="fp32")
+        before = (*old_engine(args.before), fp32)
     llama = None
     if not args.no_llama_cpp:
         with contextlib.suppress(ImportError):
@@ -256,24 +270,26 @@ def main() -> None:
             print("(llama-cpp-python is not installed: no llama.cpp row)", file=sys.stderr)
     if rows:
         prompts = everyday(args.prompts)
-        totals = decode_rows(pairs, modes, rows, prompts, args.max_new_tokens, before, llama)
+        totals = decode_rows(pairs, steps, rows, prompts, args.max_new_tokens, before, llama)
         report["decoding"] = totals
         rate = {label: t["tokens"] / t["seconds"] for label, t in totals.items()}
         base = rate.get("before: AR [fp32 eager]")
         print(f"\ndecoding: {len(prompts)} everyday prompts x {args.max_new_tokens} tokens")
-        print(f"  {'configuration':<52} {'tok/s':>7} {'x before AR':>11} {'x compiled AR':>13} {'tok/pass':>8} "
-              f"{'accept %':>8}")
+        print(f"  {'configuration':<52} {'tok/s':>7} {'x before AR':>11} {'x AR same':>9} {'x llama.cpp':>11} "
+              f"{'tok/pass':>8} {'accept %':>8}")
+        llama_rate = rate.get("llama.cpp (same GGUF)")
         for label, total in totals.items():
             bracket = label[label.find("["):] if "[" in label else ""
-            compiled_ar = rate.get(f"ar [{bracket[1:-1].split()[0]} compiled]") if bracket else None
+            same_ar = rate.get(f"ar {bracket}") if bracket else None  # AR of the same form and mode
             print(f"  {label:<52} {rate[label]:7.1f} {rate[label] / base if base else float('nan'):11.2f} "
-                  f"{rate[label] / compiled_ar if compiled_ar else float('nan'):13.2f} "
+                  f"{rate[label] / same_ar if same_ar else float('nan'):9.2f} "
+                  f"{rate[label] / llama_rate if llama_rate else float('nan'):11.2f} "
                   f"{total['tokens'] / max(total['passes'], 1):8.2f} {100 * total['accept_s'] / total['seconds']:8.2f}")
-        print("\nthe default job against compiled AR of the same form, by category (tok/s ratio)")
-        for form in forms:
-            job, ar = totals.get(f"default [{form} compiled]"), totals.get(f"ar [{form} compiled]")
+        print("\nthe default job against AR of the same form and mode, by category (tok/s ratio)")
+        for form, mode in steps:
+            job, ar = totals.get(f"default [{form} {mode}]"), totals.get(f"ar [{form} {mode}]")
             if job and ar:
-                print(f"  {form}: " + ", ".join(
+                print(f"  {form} {mode}: " + ", ".join(
                     f"{c}: {(job['by_category'][c][0] / job['by_category'][c][1]) / (ar['by_category'][c][0] / ar['by_category'][c][1]):.2f}"
                     for c in job["by_category"]))
     if args.cli:

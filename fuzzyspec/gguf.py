@@ -4,14 +4,16 @@
 every decoder linear stored in Q4_0 or Q4_1 becomes a ``core.int4.Int4Linear`` holding the file's own
 codes (only each group's scale and offset are rounded to bfloat16, which the kernel takes); norms, the
 token embedding and any tensor in another format are dequantized to float32, exactly (Q8_0's
-d * q is exact in float32). The LM head stays the embedding's float32 rows.
+d * q is exact in float32). An LM head stored in Q8_0 (a tied one is the embedding) becomes a
+``core.int4.Int8Linear``: its own 8-bit codes as two 4-bit halves on the same kernel, keeping the float
+rows for lookups and drafters.
 
 Formats (ggml's blocks of 32 along the input dimension; in a 4-bit block element j is the low nibble of
 byte j and element j + 16 its high nibble):
 
 - Q4_0: 18 bytes: float16 d, 16 bytes of codes; w = d * (q - 8)  -> scale d, offset 0;
 - Q4_1: 20 bytes: float16 d, float16 m, 16 bytes of codes; w = d * q + m  -> scale d, offset m + 8 d;
-- Q8_0: 34 bytes: float16 d, 32 int8; w = d * q (not 4-bit: kept as float32).
+- Q8_0: 34 bytes: float16 d, 32 int8; w = d * q.
 
 llama.cpp's converter reorders the rows of the query and key projections (the two halves of each head's
 rotary dimensions interleaved); transformers' GGUF loader undoes it, and so does ``rope_rows`` here.
@@ -22,12 +24,13 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from .core.int4 import GROUP, Int4Linear
+from .core.int4 import GROUP, Int4Linear, Int8Linear
 
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
 FOUR_BIT = {"Q4_0": 2, "Q4_1": 4}  # where a block's codes start
@@ -132,13 +135,18 @@ def _decode(raw: np.ndarray, kind: str) -> np.ndarray:
         return raw.view(np.float32).copy()
     if kind == "F16":
         return raw.view(np.float16).astype(np.float32)
-    rows = raw.shape[0]
     if kind == "Q8_0":
-        blocks = raw.reshape(rows, -1, 34)
-        scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)
-        return (blocks[..., 2:].view(np.int8).astype(np.float32) * scale).reshape(rows, -1)
+        codes, scales = eight_bit(raw)
+        return codes.astype(np.float32) * np.repeat(scales, GROUP, 1)
     codes, scales, offsets = four_bit(raw, kind)
     return (codes.astype(np.float32) - 8) * np.repeat(scales, GROUP, 1) + np.repeat(offsets, GROUP, 1)
+
+
+def eight_bit(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 rows -> codes int32 [N, K] (-128..127) and float32 scales [N, K/32]: w = code * scale."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return blocks[..., 2:].view(np.int8).reshape(raw.shape[0], -1).astype(np.int32), scales
 
 
 def four_bit(raw: np.ndarray, kind: str, rows: np.ndarray | None = None
@@ -196,10 +204,12 @@ def int4_linears(gguf: GGUFFile) -> int:
                if name.startswith("blk.") and name.split(".")[2] in LINEARS)
 
 
-def load_int4(path: str | Path, packed_cache: Path | None = None) -> nn.Module:
+def load_int4(path: str | Path, packed_cache: Path | None = None,
+              on_packing: Callable[[], None] | None = None) -> nn.Module:
     """A LlamaForCausalLM whose decoder linears run on the file's own 4-bit codes (see the module docstring).
     ``packed_cache``: a file keeping the packed weights, so that later loads skip packing them (the packed
-    layout depends on the CPU and torch build: the caller keys the file by both)."""
+    layout depends on the CPU and torch build: the caller keys the file by both). ``on_packing``: told once
+    the file has been read and packing (the slow part of a first load) begins."""
     from safetensors.torch import load_file, save_file
     from transformers import GenerationConfig, LlamaForCausalLM
 
@@ -210,6 +220,8 @@ def load_int4(path: str | Path, packed_cache: Path | None = None) -> nn.Module:
     if not int4_linears(gguf):
         raise ValueError(f"{path} stores no decoder weight as Q4_0 or Q4_1, the int4 kernel's grid (Q4_K and others "
                          "are not implemented): load it with --weights fp32")
+    if not packed and on_packing is not None:
+        on_packing()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     frozen = lambda tensor: nn.Parameter(tensor, requires_grad=False)  # noqa: E731
@@ -235,8 +247,21 @@ def load_int4(path: str | Path, packed_cache: Path | None = None) -> nn.Module:
         layer.post_attention_layernorm.weight = frozen(gguf.floats(f"blk.{i}.ffn_norm.weight"))
     model.model.norm.weight = frozen(gguf.floats("output_norm.weight"))
     model.model.embed_tokens.weight = frozen(gguf.floats("token_embd.weight"))
-    model.lm_head.weight = model.model.embed_tokens.weight if config.tie_word_embeddings else \
-        frozen(gguf.floats("output.weight"))
+    head = gguf.tensors["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
+    weight = model.model.embed_tokens.weight if config.tie_word_embeddings else frozen(gguf.floats(head.name))
+    if head.kind == "Q8_0" and head.shape[0] % 16 == 0:  # read at its own 8.5 bits a weight, not float32's 32
+        if "lm_head.high.packed" in packed:
+            halves = [Int4Linear(packed[f"lm_head.{half}.packed"], packed[f"lm_head.{half}.scales_and_offsets"])
+                      for half in ("high", "low")]
+            model.lm_head = Int8Linear(*halves, weight, packed["lm_head.scales"])
+        else:
+            codes, scales = eight_bit(head.raw)
+            model.lm_head = Int8Linear.from_codes(torch.from_numpy(codes), torch.from_numpy(scales), weight)
+            made |= {f"lm_head.{half}.{name}": getattr(getattr(model.lm_head, half), name)
+                     for half in ("high", "low") for name in ("packed", "scales_and_offsets")}
+            made["lm_head.scales"] = model.lm_head.scales
+    else:
+        model.lm_head.weight = weight
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta
     left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
     if left:
@@ -245,6 +270,6 @@ def load_int4(path: str | Path, packed_cache: Path | None = None) -> nn.Module:
     if made and packed_cache is not None:
         packed_cache.parent.mkdir(parents=True, exist_ok=True)
         partial = packed_cache.with_name(f"{packed_cache.name}.partial-{os.getpid()}")
-        save_file(made, partial)
+        save_file(packed | made, partial)  # what was read from the cache, and what was missing from it
         os.replace(partial, packed_cache)
     return model.eval()

@@ -152,7 +152,8 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
     """``int4`` or a float dtype: what ``weights`` asks for a target, checked before it loads.
 
     ``auto`` holds a GGUF target at its own 4-bit bytes where the CPU int4 kernel runs them (on the CPU,
-    unless ``--dtype`` names a float type), and otherwise follows ``--dtype``."""
+    unless ``--dtype`` names a float type, for a llama GGUF with Q4_0/Q4_1 weights), and otherwise follows
+    ``--dtype``."""
     from .core import int4
 
     if weights not in WEIGHTS:
@@ -172,7 +173,21 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
             raise LoadError(f"--weights int4 keeps float32 activations around its 4-bit products; --dtype {dtype} "
                             "does not apply")
         return "int4"
-    return "int4" if gguf and runs_int4 and dtype == "auto" else dtype
+    return "int4" if gguf and runs_int4 and dtype == "auto" and _has_int4_linears(name) else dtype
+
+
+def _has_int4_linears(name: str | None) -> bool:
+    """Whether a GGUF target is a llama whose decoder stores Q4_0/Q4_1 weights (the embedded one is); a file
+    in other formats (Q4_K, Q8_0, F16, ...) or of another architecture is loaded as floats under ``auto``."""
+    if name is None or name == EMBEDDED:
+        return True
+    from . import gguf
+
+    try:
+        found = gguf.GGUFFile(gguf_source(name))
+        return found.metadata.get("general.architecture") == "llama" and gguf.int4_linears(found) > 0
+    except (OSError, TypeError, ValueError, struct.error, EOFError, KeyError, IndexError):
+        return True  # not readable here: loading it says what is wrong
 
 
 def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto"
@@ -230,8 +245,11 @@ def _load_int4(name: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     flags = "-".join(sorted(set(_cpu_flags()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"}))
     stem = f"{path.stem}-{path.stat().st_size}"
     packed = cache_dir() / "int4" / f"{stem}-torch{torch.__version__}-{platform.machine()}-{flags}.safetensors"
+    def packing() -> None:
+        print(f"fuzzyspec: first use on this CPU: packing {path.name}'s 4-bit weights for the int4 kernel (about "
+              f"10 s; kept in {packed.parent}) ...", file=sys.stderr, flush=True)
     try:
-        model = gguf.load_int4(path, packed)
+        model = gguf.load_int4(path, packed, packing)
         tokenizer = _gguf_tokenizer(path, stem)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -311,3 +311,29 @@ def test_the_python_api_runs_the_same_job_as_the_command_line(capsys, tiny_dirs)
     result = pair.generate("hello there", max_new_tokens=10)
     assert {k: cli[k] for k in config.describe()} == config.describe() and cli["method"] == "sd"
     assert result.text == cli["text"] and result.stats.target_forwards == cli["stats"]["target_forwards"]
+
+
+def test_int4_weights_need_a_gguf_target(capsys, tiny_dirs):
+    fails_cleanly(capsys, ["generate", "hi", "--target", tiny_dirs["target"], "--weights", "int4", "--method", "ar"],
+                  "--weights int4 holds a GGUF target")
+
+
+def test_tune_measures_keeps_and_explains_the_profile(capsys, tiny_dirs, tmp_path, monkeypatch):
+    """`fuzzyspec tune` measures the target's widths and the drafter's sizes, keeps the profile where decoding
+    finds it, and prints the draft sizes the planner picks from it."""
+    from fuzzyspec import tuning
+    from fuzzyspec.api import ModelPair
+
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    assert main(["tune", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--dtype", "float32",
+                 "--no-compile", "--widths", "1,2,4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    eager = report["profiles"]["eager"]
+    assert set(eager["target_ms"]) == {"1", "2", "4"} and all(ms > 0 for ms in eager["target_ms"].values())
+    (drafting,) = eager["draft_ms"].values()
+    assert set(drafting) == {"1", "2", "3", "4", "5"}  # chains up to the default --gamma
+    (choices,) = eager["choices"].values()
+    assert all(0 <= size <= 5 for size in choices.values())
+    assert "avx2" in report["machine"] or "threads" in report["machine"]
+    pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], dtype="float32")
+    assert pair.profile_key == eager["key"] and tuning.load(pair.profile_key).target.keys() >= {1, 2, 4}

@@ -54,7 +54,8 @@ def test_rope_rows_undo_the_interleaving_of_each_heads_halves():
 @needs_kernel
 def test_the_embedded_target_holds_its_own_4bit_weights():
     """Every decoder linear is the GGUF's codes (bf16-rounded group scales aside) and equals the float32 weight
-    transformers dequantizes from the same file; norms and the embedding are bit-identical."""
+    transformers dequantizes from the same file; norms and the embedding are bit-identical; the LM head is the
+    embedding's Q8_0 codes."""
     from safetensors.torch import load_file
 
     from fuzzyspec.loading import embedded_folder, embedded_gguf
@@ -72,4 +73,9 @@ def test_the_embedded_target_holds_its_own_4bit_weights():
     assert linears == 7 * model.config.num_hidden_layers
     assert torch.equal(model.model.embed_tokens.weight, reference["model.embed_tokens.weight"])
     assert torch.equal(model.model.norm.weight, reference["model.norm.weight"])
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # the tied Q8_0 head is read at its own 8-bit codes, its float rows being the embedding's
+    assert isinstance(model.lm_head, int4.Int8Linear) and model.lm_head.weight is model.model.embed_tokens.weight
+    rows = torch.arange(0, 49152, 3072)  # 16 rows: their codes, rebuilt from the kernel's halves
+    halves = [getattr(model.lm_head, half).weight()[rows] for half in ("high", "low")]
+    torch.testing.assert_close(halves[0] + halves[1], reference["model.embed_tokens.weight"][rows], rtol=0,
+                               atol=2 ** -7 * reference["model.embed_tokens.weight"][rows].abs().max().item())

@@ -51,3 +51,24 @@ def test_old_module_paths_still_import():
         assert calibrate.CALIBRATION_PROMPTS == before + 1
     finally:
         old.CALIBRATION_PROMPTS = before
+
+
+def test_the_weights_form_is_decided_before_loading(tmp_path):
+    """auto: a GGUF target on the CPU at its own 4-bit bytes unless --dtype names a float type; the float forms
+    are dtypes; int4 where it cannot apply is one clear error."""
+    from fuzzyspec.core import int4
+    from fuzzyspec.loading import weight_form
+
+    if int4.available():
+        assert weight_form(None) == "int4" and weight_form(None, "int4", "float32") == "int4"
+    assert weight_form(None, dtype="float32") == "float32" and weight_form("some/folder") == "auto"
+    assert weight_form(None, "fp32") == "float32" and weight_form("some/folder", "bf16") == "bfloat16"
+    for weights, dtype, device, name, problem in [
+            ("fp32", "bfloat16", "cpu", None, "disagree"), ("int4", "auto", "cpu", "some/folder", "GGUF"),
+            ("int4", "auto", "cuda", None, "CPU"), ("int4", "bfloat16", "cpu", None, "does not apply"),
+            ("int8", "auto", "cpu", None, "must be one of")]:
+        with pytest.raises(LoadError, match=problem):
+            weight_form(name, weights, dtype, device)
+    unreadable = tmp_path / "broken.gguf"
+    unreadable.write_bytes(b"GGUF\x03")  # loading it, not choosing its form, says what is wrong
+    assert weight_form(str(unreadable)) == ("int4" if int4.available() else "auto")

@@ -65,3 +65,49 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W.T (no bias) for W = scale[n, k // 32] * q[n, k] with q in -128..127: llama.cpp's Q8_0, at its
+    own bytes. The int4 kernel does the products: q = 16 h + l with h in -8..7 and l in 0..15, so
+
+        x @ W.T = x @ (16 scale h).T + x @ (scale l).T
+
+    two int4 layers of the same grid (h's codes h + 8 with scale 16 scale and offset 0; l's codes l with scale
+    ``scale`` and offset 8 scale), which together read the 8.5 bits per weight Q8_0 stores. ``weight`` is the
+    float W (a tied model's embedding, which lookups read anyway): drafters take their output rows from it
+    (``rows``), and checks compare with it."""
+
+    def __init__(self, high: Int4Linear, low: Int4Linear, weight: Tensor, scales: Tensor) -> None:
+        super().__init__()
+        self.high, self.low = high, low
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("scales", scales)  # float32 [N, K/32]: recovers q from ``weight`` exactly
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_codes(cls, codes: Tensor, scales: Tensor, weight: Tensor | None = None) -> "Int8Linear":
+        """``codes`` [N, K] int32 in -128..127, ``scales`` [N, K/32] float32; ``weight``: the float W if the
+        caller has it (else made here)."""
+        high = torch.div(codes, 16, rounding_mode="floor")
+        low = codes - 16 * high
+        zeros = torch.zeros_like(scales)
+        if weight is None:
+            weight = codes.float() * scales.repeat_interleave(GROUP, 1)
+        return cls(Int4Linear.from_codes(high + 8, 16 * scales, zeros), Int4Linear.from_codes(low, scales, 8 * scales),
+                   weight, scales)
+
+    def rows(self, index: Tensor) -> "Int8Linear":
+        """The layer of W's rows ``index`` (a drafter's reduced vocabulary), in the same form. W = scale * q is
+        exact in float32 (an 11-bit scale times an 8-bit code), so q is recovered exactly from it."""
+        scales = self.scales.index_select(0, index)
+        weight = self.weight.detach().index_select(0, index)
+        wide = scales.repeat_interleave(GROUP, 1)
+        codes = torch.where(wide == 0, 0, weight / torch.where(wide == 0, 1, wide)).round().to(torch.int32)
+        return Int8Linear.from_codes(codes, scales, weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.high(x) + self.low(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, 8-bit"

@@ -205,6 +205,7 @@ class TargetStep:
         self.compile, self.widths = compile, widths
         self._compiled: nn.Module | None = None
         self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
+        self._every_layer = tuple(range(self.layer_count + 1))
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
         self.profile = Profile()  # what its steps (and its drafters') cost here, measured as they run
 
@@ -224,7 +225,10 @@ class TargetStep:
         if shape not in self._shapes and self.on_compile is not None:
             self.on_compile(*tokens.shape)
         self._shapes.add(shape)
-        return self._compiled_forward()(cache, tokens, positions, write, mask, slots, keep, features)
+        # One graph per shape serves every row, whichever layers its drafter reads: the graph returns every
+        # layer's hidden state (each exists anyway, as the residual stream) and the caller's are picked here.
+        logits, found = self._compiled_forward()(cache, tokens, positions, write, mask, slots, keep, self._every_layer)
+        return logits, {i: found[i] for i in features}
 
     def _compiled_forward(self) -> nn.Module:
         if self._compiled is None:

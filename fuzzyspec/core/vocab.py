@@ -111,8 +111,13 @@ def most_frequent(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> 
     return DraftVocab(torch.tensor(sorted(chosen[:size])), vocab_size)
 
 
-def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab) -> nn.Linear:
-    """A frozen copy of ``lm_head``'s rows for the draft vocabulary's tokens: logits over N, not V."""
+def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab) -> nn.Module:
+    """A frozen copy of ``lm_head``'s rows for the draft vocabulary's tokens: logits over N, not V (in the
+    head's own form: an 8-bit head of a GGUF target gives 8-bit rows)."""
+    from .int4 import Int8Linear
+
+    if isinstance(lm_head, Int8Linear) and len(vocab) % 16 == 0:
+        return lm_head.rows(vocab.target_ids.to(lm_head.weight.device))
     weight = lm_head.weight
     head = nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
     head.weight.data.copy_(weight.detach().index_select(0, vocab.target_ids.to(weight.device)))

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import Engine, decode, decode_batch
-from fuzzyspec.core.step import LlamaForward
+from fuzzyspec.core.step import LlamaForward, TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.eagle import EagleDrafter
 from fuzzyspec.drafters.eagle3 import make_eagle3
@@ -52,9 +52,18 @@ def test_each_row_is_what_it_would_be_alone_greedy(target, draft, method, extra)
         assert (stats.accepted, stats.proposed) == (expected_stats.accepted, expected_stats.proposed)
 
 
-def test_rows_mix_drafters_shapes_rules_and_schedules(target, draft, head):
+@pytest.fixture(scope="module")
+def compiled(target):
+    """The target's step compiled at one width bucket (every step padded to 32 tokens a row, so only the row
+    counts give new shapes: few compilations), shared by the tests below."""
+    return TargetStep(target, compile=True, widths=(32,))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_rows_mix_drafters_shapes_rules_and_schedules(target, draft, head, compiled, mode):
     """Chains from a draft LM, an EAGLE-3 head and prompt lookup, EAGLE-2 trees, AR, the heuristic gamma
-    schedule and draft-confidence stops, all in one batch."""
+    schedule and draft-confidence stops, all in one batch; compiled steps (padded widths and rows) give each
+    row the tokens it gets alone, eagerly."""
     rows = [("ar", DecodeConfig(method="ar", max_new_tokens=20)),
             ("draft", DecodeConfig(method="sd", gamma=3, max_new_tokens=20, gamma_schedule="heuristic")),
             ("eagle", DecodeConfig(method="fsd", threshold=0.3, max_new_tokens=20, tree=True, tree_total_tokens=8,
@@ -66,7 +75,8 @@ def test_rows_mix_drafters_shapes_rules_and_schedules(target, draft, head):
             ("eagle", DecodeConfig(method="sd", max_new_tokens=20, tree=True))]
     prompts = [PROMPTS[i % len(PROMPTS)] * 2 for i in range(len(rows))]
     drafters = [drafter_for(kind, target, draft, head) for kind, _ in rows]
-    batched = decode_batch(target, [torch.tensor([p]) for p in prompts], [c for _, c in rows], drafters, V)
+    batched = decode_batch(compiled if mode == "compiled" else target, [torch.tensor([p]) for p in prompts],
+                           [c for _, c in rows], drafters, V)
     for prompt, (kind, config), (tokens, stats) in zip(prompts, rows, batched):
         expected, expected_stats = alone(target, drafter_for(kind, target, draft, head), prompt, config)
         assert tokens == expected, kind
@@ -86,10 +96,11 @@ def test_seeded_sampling_rows_match_decoding_alone(target, draft, head, method):
         assert tokens == alone(target, drafter_for(kind, target, draft, head), prompt, config)[0]
 
 
-def test_rows_join_and_leave_between_steps(target, draft):
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_rows_join_and_leave_between_steps(target, draft, compiled, mode):
     """Continuous batching: rows arrive at different steps, finish at different steps, and later rows take
-    the slots earlier ones freed."""
-    engine = Engine(target, V)
+    the slots earlier ones freed (compiled: at padded shapes, each row still decodes as it would alone)."""
+    engine = Engine(compiled if mode == "compiled" else target, V)
     lengths = [12, 30, 5, 20, 16]
     rows, finished = [], []
     for i, prompt in enumerate(PROMPTS):

@@ -6,7 +6,7 @@ from conftest import tiny_llama
 from fuzzyspec.core import int4
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
-from fuzzyspec.core.int4 import GROUP, Int4Linear
+from fuzzyspec.core.int4 import GROUP, Int4Linear, Int8Linear
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
 
@@ -36,6 +36,26 @@ def test_the_layer_computes_with_its_codes_scales_and_offsets():
     assert layer(x).dtype == torch.float32 and (layer.in_features, layer.out_features) == (64, 48)
     with pytest.raises(ValueError, match="groups of 32"):
         Int4Linear.from_codes(codes[:, :40], scales, offsets)
+
+
+def test_an_8_bit_layer_is_its_codes_times_its_scales_and_its_rows_keep_them():
+    """Q8_0's codes (-128..127) as two int4 halves: the product is x @ (scale * q).T, and a reduced vocabulary's
+    rows (``rows``) are the same codes and scales, recovered from the float weight exactly."""
+    generator = torch.Generator().manual_seed(1)
+    codes = torch.randint(-128, 128, (64, 96), generator=generator, dtype=torch.int32)
+    codes[0] = torch.tensor([-128, 127, 0] * 32)  # the extremes of both halves
+    scales = torch.rand(64, 3, generator=generator) * 0.01
+    scales[5, 1] = 0.0  # an all-zero group
+    layer = Int8Linear.from_codes(codes, scales)
+    weight = codes.float() * scales.repeat_interleave(GROUP, 1)
+    assert torch.equal(layer.weight, weight)
+    x = torch.randn(4, 96, generator=generator).to(torch.bfloat16).float()  # exact in the kernel's bfloat16
+    scale = x.abs().sum(-1, keepdim=True) * weight.abs().max()
+    torch.testing.assert_close(layer(x), x @ weight.T, rtol=0, atol=(2 ** -7 * scale).max().item())
+    index = torch.tensor([5, 0, 17, 63, 2, 9, 11, 30, 31, 40, 41, 42, 43, 44, 45, 46])
+    rows = layer.rows(index)
+    assert torch.equal(rows.weight, weight[index]) and torch.equal(rows.scales, scales[index])
+    torch.testing.assert_close(rows(x), layer(x)[:, index], rtol=0, atol=1e-5)
 
 
 def int4_model(seed: int) -> torch.nn.Module:
