@@ -108,7 +108,7 @@ def make_steps(pairs: dict[str, ModelPair], modes: list[str]) -> dict[tuple[str,
     for form, pair in pairs.items():
         for mode in modes:
             step = TargetStep(pair.target, compile=mode == "compiled")
-            step.profile_key = pair.profile_key.rsplit("|", 1)[0] + ("|compiled" if mode == "compiled" else "|eager")
+            step.profile_key = tuning.profile_key(None, form, "auto", "cpu", mode == "compiled")
             step.profile = tuning.load(step.profile_key)
             steps[form, mode] = step
     return steps

@@ -15,7 +15,7 @@ from .core.stats import Stats
 from .core.step import TargetStep
 from .drafters.registry import DrafterSource, load_drafter
 from .hf import eos_token_ids
-from .loading import EMBEDDED, load_model, shared_vocab_size, weight_form
+from .loading import load_model, shared_vocab_size
 from .options import DEFAULT_DRAFT
 from .text import TextStream, check_prompt, check_text
 
@@ -70,12 +70,10 @@ class ModelPair:
         costs measured while it decodes are kept in the cache for this machine (``tuning``)."""
         from . import tuning
 
-        form = weight_form(target, weights, dtype, device)
+        key = tuning.profile_key(target, weights, dtype, device, compile)  # checks the options before loading
         target_model, tokenizer = load_model(target, dtype, device, weights)
         source = load_drafter(draft, target_model, tokenizer, target, dtype, device, weights) \
             if draft is not None else None
-        key = tuning.profile_key(str(target or EMBEDDED), form if form == "int4" else str(target_model.dtype),
-                                 device, compile)
         step = TargetStep(target_model, compile=compile)
         step.profile = tuning.load(key)
         return cls(target_model, tokenizer, source, step, key)

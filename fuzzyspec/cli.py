@@ -353,18 +353,9 @@ def _compiles(args: argparse.Namespace, device: str, long_running: bool) -> bool
     if args.compile is not None or not long_running:
         return bool(args.compile)
     from . import tuning
-    from .loading import EMBEDDED, weight_form
 
-    form = weight_form(args.target, args.weights, args.dtype, device)
-    return bool(tuning.facts(tuning.profile_key(str(args.target or EMBEDDED), _form_name(form), device, True))
+    return bool(tuning.facts(tuning.profile_key(args.target, args.weights, args.dtype, device, True))
                 .get("compile_pays"))
-
-
-def _form_name(form: str) -> str:
-    """A weights form as profiles name it (``int4``, or the torch dtype)."""
-    from .loading import resolve_dtype
-
-    return form if form == "int4" else str(resolve_dtype(form, "cpu"))
 
 
 def _persist_compiled_code() -> None:
@@ -625,17 +616,15 @@ def _tune(args: argparse.Namespace) -> None:
     from .api import ModelPair
     from .core.cost import Option
     from .core.step import TargetStep
-    from .loading import EMBEDDED, weight_form
 
     device = _device(args)
     drafter = _decided({}, args.draft)  # checks the options and the drafter's name before anything loads
-    form = _form_name(weight_form(args.target, args.weights, args.dtype, device))
     loaded = _load_pair(argparse.Namespace(**{**vars(args), "compile": False}), args.draft, device, False)
     report: dict = {"machine": tuning.machine(device), "profiles": {}}
     for compiled in ([False, True] if args.compile is None else [args.compile]):
         if compiled:
             _persist_compiled_code()
-        key = tuning.profile_key(str(args.target or EMBEDDED), form, device, compiled)
+        key = tuning.profile_key(args.target, args.weights, args.dtype, device, compiled)
         step = TargetStep(loaded.target, compile=compiled)
         step.on_compile, step.profile = loaded.step.on_compile, tuning.load(key)
         pair = ModelPair(loaded.target, loaded.tokenizer, loaded.draft, step, key)

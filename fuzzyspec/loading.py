@@ -242,9 +242,9 @@ def _load_int4(name: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     if not path.is_file():
         raise LoadError(f"model file not found: {name}")
     # The packed layout depends on the CPU's instruction set and on the torch build: the key names both.
-    flags = "-".join(sorted(set(_cpu_flags()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"}))
     stem = f"{path.stem}-{path.stat().st_size}"
-    packed = cache_dir() / "int4" / f"{stem}-torch{torch.__version__}-{platform.machine()}-{flags}.safetensors"
+    packed = cache_dir() / "int4" / (f"{stem}-torch{torch.__version__}-{platform.machine()}-"
+                                     f"{cpu_isa().replace(',', '-')}.safetensors")
     def packing() -> None:
         print(f"fuzzyspec: first use on this CPU: packing {path.name}'s 4-bit weights for the int4 kernel (about "
               f"10 s; kept in {packed.parent}) ...", file=sys.stderr, flush=True)
@@ -275,12 +275,25 @@ def _gguf_tokenizer(path: Path, stem: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(folder)
 
 
-def _cpu_flags() -> list[str]:
+@functools.cache
+def _cpu_flags() -> tuple[str, ...]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return ()
+    return next((tuple(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), ())
+
+
+ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")  # the extensions that decide a step's speed
+
+
+def cpu_isa() -> str:
+    """The CPU's instruction-set extensions among ``ISA`` (``avx2``, ``avx512_bf16``, ...): what decides how fast a
+    step is, and how the int4 kernel packs its weights."""
+    import platform
+
+    flags = set(_cpu_flags())
+    return ",".join(flag for flag in ISA if flag in flags) or platform.machine()
 
 
 def shipped(kind: str) -> Path:

@@ -22,76 +22,71 @@ import torch
 from .core.cost import Acceptance, Option, Profile, plan
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
-from .loading import _cpu_flags, cache_dir
+from .loading import EMBEDDED, cache_dir, cpu_isa, resolve_dtype, weight_form
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 32)
-ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")
-
-
-def isa() -> str:
-    """The CPU's instruction-set extensions that decide how fast a step is (``avx2``, ``avx512_bf16``, ...)."""
-    flags = set(_cpu_flags())
-    return ",".join(flag for flag in ISA if flag in flags) or platform.machine()
 
 
 def machine(device: str = "cpu") -> str:
     """One line saying what the numbers were measured on."""
-    text = f"{platform.machine()} [{isa()}], {torch.get_num_threads()} threads, torch {torch.__version__}"
+    text = f"{platform.machine()} [{cpu_isa()}], {torch.get_num_threads()} threads, torch {torch.__version__}"
     if device.startswith("cuda") and torch.cuda.is_available():
         text = f"{torch.cuda.get_device_name()}; {text}"
     return text
 
 
-def profile_key(target: str, form: str, device: str, compiled: bool) -> str:
-    return "|".join([target, form, device, isa(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
-                     "compiled" if compiled else "eager"])
+def profile_key(target: str | None, weights: str, dtype: str, device: str, compiled: bool) -> str:
+    """Where the costs of a target loaded with these options are kept: decided from the options as loading
+    decides the weights form (``int4`` or the torch dtype), so it is known before anything loads."""
+    form = weight_form(target, weights, dtype, device)
+    form = form if form == "int4" else str(resolve_dtype(form, device))
+    return "|".join([str(target or EMBEDDED), form, device, cpu_isa(), f"threads={torch.get_num_threads()}",
+                     f"torch={torch.__version__}", "compiled" if compiled else "eager"])
 
 
 def profile_path() -> Path:
     return cache_dir() / "profiles.json"
 
 
-def load(key: str) -> Profile:
-    """The profile saved under ``key`` (an empty one where none is)."""
+def _saved() -> dict:
+    """Every key's entry in ``profiles.json`` (nothing where it is missing or unreadable)."""
     try:
-        saved = json.loads(profile_path().read_text())
+        return json.loads(profile_path().read_text())
     except (OSError, ValueError):
-        return Profile()
-    return Profile.from_dict(saved.get(key, {}))
+        return {}
 
 
-def save(key: str, profile: Profile) -> None:
-    """Keep ``profile`` under ``key`` (other keys kept; written whole, then renamed)."""
+def _write(saved: dict) -> None:
+    """Write ``profiles.json`` whole, then rename it into place (a reader never sees half a file)."""
     path = profile_path()
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    saved[key] = profile.to_dict() | {k: v for k, v in saved.get(key, {}).items() if k not in ("target", "draft")}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
     partial.write_text(json.dumps(saved, indent=1) + "\n")
     os.replace(partial, path)
+
+
+def load(key: str) -> Profile:
+    """The profile saved under ``key`` (an empty one where none is)."""
+    return Profile.from_dict(_saved().get(key, {}))
+
+
+def save(key: str, profile: Profile) -> None:
+    """Keep ``profile`` under ``key`` (its facts and the other keys kept)."""
+    saved = _saved()
+    saved[key] = saved.get(key, {}) | profile.to_dict()
+    _write(saved)
     profile.updates = 0
 
 
 def note(key: str, **facts: object) -> None:
-    """Record facts beside a profile (compile times, what was compared)."""
-    path = profile_path()
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        saved = {}
+    """Record facts beside a profile (what compiling was measured to gain)."""
+    saved = _saved()
     saved.setdefault(key, {}).update(facts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(saved, indent=1) + "\n")
+    _write(saved)
 
 
 def facts(key: str) -> dict:
-    try:
-        return json.loads(profile_path().read_text()).get(key, {})
-    except (OSError, ValueError):
-        return {}
+    return _saved().get(key, {})
 
 
 def _median_ms(run: Callable[[], object], repeats: int) -> float:
