@@ -7,7 +7,7 @@ tokens below the sequence's newest one, of which a chain is the case with one ch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -38,9 +38,10 @@ class Budget:
 class Draft:
     """Drafted tokens, as a tree hanging below the newest token of the sequence (the root).
 
-    ``tokens`` [n]: target ids. ``parents`` [n]: -1 for a child of the root, else an earlier node
-    (parents[i] < i). ``q`` [n + 1, N]: row 0 is the draft distribution the root's children came
-    from, row i + 1 node i's (zeros where a node was not expanded); None when every token was
+    ``tokens`` [n]: target ids, on the drafter's device. ``parents`` [n]: -1 for a child of the root, else
+    an earlier node (parents[i] < i); the tree's shape is host metadata, kept on the CPU (copied there if
+    given on another device), so the engine reads it without waiting for the device. ``q`` [n + 1, N]:
+    row 0 is the draft distribution the root's children came from, row i + 1 node i's (zeros where a node was not expanded); None when every token was
     chosen with certainty (a point mass on it: prompt lookup), which the rules use without
     building it. ``logits`` [n + 1, N]: the raw logits behind q (None with q). ``vocab``: the
     reduced draft vocabulary of q's N columns (None: N is the target's V). ``sampled``: children
@@ -54,11 +55,16 @@ class Draft:
     logits: Tensor | None = None
     vocab: DraftVocab | None = None
     sampled: bool = False
+    is_chain: bool = field(init=False)  # one child per node
+    parent_ids: list[int] = field(init=False, repr=False)  # ``parents`` as a list, read once
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        if self.parents.shape != (n,) or bool((self.parents >= torch.arange(n, device=self.parents.device)).any()):
+        self.parents = self.parents.cpu()
+        self.parent_ids = self.parents.tolist() if self.parents.dim() == 1 else []
+        if self.parents.shape != (n,) or any(parent >= i for i, parent in enumerate(self.parent_ids)):
             raise ValueError("a draft tree needs one parent per node, each parent numbered before its child")
+        self.is_chain = self.parent_ids == list(range(-1, n - 1))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -68,37 +74,32 @@ class Draft:
               vocab: DraftVocab | None = None, sampled: bool = False) -> "Draft":
         """A chain of k tokens; ``q``/``logits`` [k, N] are the distributions token i was drafted from."""
         k = tokens.shape[0]
-        parents = torch.arange(-1, k - 1, device=tokens.device)
+        parents = torch.arange(-1, k - 1)
         if q is not None:  # the last node was not expanded: a zero row
             q = torch.cat([q, q.new_zeros(1, q.shape[-1])])
             logits = torch.cat([logits, logits.new_zeros(1, logits.shape[-1])]) if logits is not None else None
         return Draft(tokens, parents, q, logits, vocab, sampled)
 
     @property
-    def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
-
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root's child down to ``node``."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = int(self.parents[node])
-        return path[::-1]
-
-    @property
     def depths(self) -> list[int]:
         """Depth of each node (1 for the root's children)."""
         depths: list[int] = []
-        for parent in self.parents.tolist():
+        for parent in self.parent_ids:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return depths
 
+    @property
+    def children(self) -> list[list[int]]:
+        """Row r's children as node indices, in drafting order (row 0 is the root, row i + 1 node i)."""
+        children: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for node, parent in enumerate(self.parent_ids):
+            children[parent + 1].append(node)
+        return children
+
     def ancestors(self) -> Tensor:
-        """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
-        n = len(self)
-        mask = torch.eye(n, dtype=torch.bool, device=self.parents.device)
-        for i, parent in enumerate(self.parents.tolist()):
+        """[n, n] bool, on the CPU: entry (i, j) is True when node j is node i or one of its ancestors."""
+        mask = torch.eye(len(self), dtype=torch.bool)
+        for i, parent in enumerate(self.parent_ids):
             if parent >= 0:
                 mask[i] |= mask[parent]
         return mask
@@ -122,7 +123,10 @@ class Drafter(Protocol):
     ``feature_layers`` (indices into the target's ``hidden_states``, concatenated on the last
     dimension); after every target pass it gets ``observe(start, features)``: the features
     ([1, n, F]) of sequence positions start .. start + n - 1 that stay in the sequence.
-    ``forwards`` counts the drafter's model passes, for statistics.
+    After every step that verified its draft, ``accepted(count)`` says how many of the draft's tokens
+    were kept (the nodes of a tree's accepted path): the next ``propose`` gets the sequence it last saw,
+    those tokens and at least one more, so a drafter can keep what it computed for them without comparing
+    tokens on the device. ``forwards`` counts the drafter's model passes, for statistics.
     """
 
     forwards: int
@@ -137,6 +141,8 @@ class Drafter(Protocol):
                 generator: torch.Generator | None) -> Draft | None: ...
 
     def observe(self, start: int, features: Tensor) -> None: ...
+
+    def accepted(self, count: int) -> None: ...
 
 
 class BaseDrafter:
@@ -154,4 +160,7 @@ class BaseDrafter:
         pass
 
     def observe(self, start: int, features: Tensor) -> None:
+        pass
+
+    def accepted(self, count: int) -> None:
         pass

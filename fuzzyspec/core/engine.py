@@ -36,7 +36,8 @@ from torch import Tensor
 from .config import DecodeConfig
 from .cost import Acceptance, Option, plan
 from .draft import Draft, Drafter
-from .judge import Verdict, judge
+from .host import DeviceTimer, upload
+from .judge import Pending, Verdict, judge
 from .kvcache import StaticCache, attention_mask, write_positions
 from .sampling import Sampling, sample
 from .scoring import TokenLogprob, log_probs, token_logprobs
@@ -118,6 +119,7 @@ class Engine:
         self.step_fn = target if isinstance(target, TargetStep) else TargetStep(target)
         self.target, self.vocab_size = self.step_fn.model, vocab_size
         self.device = self.target.get_input_embeddings().weight.device
+        self.timer = DeviceTimer(self.device)
         self.cache: StaticCache | None = None
         self.slots: list[Row | None] = []
 
@@ -210,17 +212,20 @@ class Engine:
             budget = row.config.budget(row.size, row.remaining) if row.drafter is not None else None
             draft = None
             if budget is not None:
-                clock = time.perf_counter()
+                mark = self.timer.start()
                 draft = row.drafter.propose(row.sequence, budget, row.config.sampling, row.generator)
                 if draft is not None:
-                    self.step_fn.profile.observe_draft(_draft_key(row), row.size, 1000 * (time.perf_counter() - clock))
+                    key, size = _draft_key(row), row.size
+                    self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_draft(key, size, ms))
             if row.config.draft_only and not row.drafter.wants_target_features and draft is not None and len(draft):
                 row.stats.record_step(len(draft), len(draft), None)  # the draft decodes alone: nothing to verify
+                row.drafter.accepted(len(draft))
                 self._emit(row, draft.tokens.tolist())
             else:
                 drafts[b] = draft
         if drafts:
             self._verify(drafts)
+        self.timer.flush()
         finished = [row for row in self.slots if row is not None and row.done]
         for row in finished:
             row.stats.new_tokens = row.generated
@@ -248,13 +253,15 @@ class Engine:
             row.size = size
 
     def _verify(self, drafts: dict[int, Draft | None]) -> None:
-        """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them."""
+        """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them.
+        The step's inputs are laid out on the host and sent at once; its one read of the device is every
+        row's outcome, together."""
         sizes = {b: len(d) if d is not None else 0 for b, d in drafts.items()}
         width, rows = self.step_fn.shape(1 + max(sizes.values()), len(self.slots))
         self._reserve(rows, max(self.cache.lengths[:rows]) + width)
         tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        depths = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        tree = torch.eye(width, dtype=torch.bool, device=self.device).repeat(rows, 1, 1)  # padding sees itself
+        depths = torch.zeros(rows, width, dtype=torch.long)
+        tree = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # padding sees itself
         for b, draft in drafts.items():
             row, n = self.slots[b], sizes[b]
             tokens[b, 0] = row.sequence[0, -1]
@@ -262,49 +269,52 @@ class Engine:
                 tokens[b, 1: 1 + n] = draft.tokens
                 tree[b, 1: 1 + n, 0] = True
                 if draft.is_chain:
-                    tree[b, : 1 + n, : 1 + n] = torch.ones(1 + n, 1 + n, dtype=torch.bool, device=self.device).tril()
-                    depths[b, : 1 + n] = torch.arange(1 + n, device=self.device)
+                    tree[b, : 1 + n, : 1 + n] = torch.ones(1 + n, 1 + n, dtype=torch.bool).tril()
+                    depths[b, : 1 + n] = torch.arange(1 + n)
                 else:
                     tree[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
-                    depths[b, 1: 1 + n] = torch.tensor(draft.depths, device=self.device)
+                    depths[b, 1: 1 + n] = torch.tensor(draft.depths)
         readers = {b for b in drafts if self.slots[b].drafter is not None and self.slots[b].drafter.wants_target_features}
         layers = {layer for b in readers for layer in self.slots[b].drafter.feature_layers or [-1]}
         features = tuple(sorted(layer % (self.step_fn.layer_count + 1) for layer in layers))
         starts_list = self.cache.lengths[:rows]
-        starts = torch.tensor(starts_list, dtype=torch.long, device=self.device)
-        mask = attention_mask(starts, tree, self.cache.capacity)
-        clock = time.perf_counter()
-        logits, found = self.step_fn(self.cache, tokens, starts[:, None] + depths, write_positions(starts, width),
-                                     mask, None, 0, features, compiled=True)
+        starts = upload(starts_list, self.device, torch.long)
+        mask = attention_mask(starts, upload(tree, self.device), self.cache.capacity)
+        mark = self.timer.start()
+        logits, found = self.step_fn(self.cache, tokens, starts[:, None] + upload(depths, self.device),
+                                     write_positions(starts, width), mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)  # the time of the forward itself (the rules sync right after)
-        self.step_fn.profile.observe_target(rows * width, 1000 * (time.perf_counter() - clock))
-        verdicts = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
+        self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_target(rows * width, ms))
+        pending = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
         for b, draft in drafts.items():
-            row, n = self.slots[b], sizes[b]
-            clock = time.perf_counter()
-            verdict = verdicts.get(b) or judge(row.config, draft, logits[b, : 1 + n], row.generator)
-            row.stats.accept_s += time.perf_counter() - clock
+            if b not in pending:
+                clock = time.perf_counter()
+                pending[b] = judge(self.slots[b].config, draft, logits[b, : 1 + sizes[b]], self.slots[b].generator)
+                self.slots[b].stats.accept_s += time.perf_counter() - clock
+        verdicts = _finish(pending)
+        for b, draft in drafts.items():
+            row, verdict = self.slots[b], verdicts[b]
             kept = [0] + [1 + node for node in verdict.path]
             self.cache.keep(b, starts_list[b], kept)
             self.cache.lengths[b] = starts_list[b] + len(kept)
             if b in readers:
-                features_b = target_features(found, row.drafter, self.step_fn.layer_count)[b: b + 1, kept]
-                row.drafter.observe(row.sequence.shape[1] - 1, features_b)
+                features_b = target_features(found, row.drafter, self.step_fn.layer_count)[b: b + 1]
+                row.drafter.observe(row.sequence.shape[1] - 1, features_b.index_select(1, upload(kept, self.device)))
+            if draft is not None:
+                row.drafter.accepted(len(verdict.path))
             row.stats.target_forwards += 1
             row.stats.record_step(verdict.proposed, len(verdict.path), verdict.d)
             if row.config.gamma_schedule == "cost" and verdict.proposed:
                 row.acceptance.record(verdict.proposed, len(verdict.path))
             if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
                 row.size = row.size + 2 if len(verdict.path) == verdict.proposed else max(1, row.size - 1)
-            new = (draft.tokens[verdict.path].tolist() if verdict.path else []) + [verdict.token]
+            new = verdict.emitted
             if row.logprobs is not None:  # token i came from the target's distribution at kept column i
                 log_p = log_probs(logits[b, kept], row.config.sampling)
                 row.token_logprobs += token_logprobs(log_p, new, row.logprobs)
             self._emit(row, new)
 
-    def _next_tokens(self, slots: list[int], logits: Tensor) -> dict[int, Verdict]:
+    def _next_tokens(self, slots: list[int], logits: Tensor) -> dict[int, Pending]:
         """The next token of every row with no drafts, all at once: greedy rows take the argmax; sampling
         rows draw from their own processed distribution with their own generator."""
         if not slots:
@@ -319,7 +329,7 @@ class Engine:
             probs = sampling.probs(last[members])
             for j, i in enumerate(members):
                 tokens[i] = sample(probs[j], self.slots[slots[i]].generator)
-        return {b: Verdict([], token, 0, None) for b, token in zip(slots, tokens.tolist())}
+        return {b: Pending(tokens[i: i + 1], _no_drafts) for i, b in enumerate(slots)}
 
     def _emit(self, row: Row, new: list[int]) -> None:
         """Append a step's tokens to the row, stopping at EOS, the length limit or the callback."""
@@ -330,7 +340,7 @@ class Engine:
             new = new[:cut]
         if row.generated == 0:
             row.stats.first_token_s = time.perf_counter() - row.started
-        added = torch.tensor([new], dtype=torch.long, device=self.device)
+        added = upload([new], self.device, torch.long)
         row.sequence = torch.cat([row.sequence, added], 1)
         if row.logprobs is not None:  # drop the entries of tokens cut off here
             del row.token_logprobs[row.generated:]
@@ -339,6 +349,21 @@ class Engine:
             row.finish_reason = "stop"
         elif row.remaining <= 0:
             row.finish_reason = "length"
+
+
+def _no_drafts(values: list[int]) -> Verdict:
+    return Verdict([], values[0], 0, None)
+
+
+def _finish(pending: dict[int, Pending]) -> dict[int, Verdict]:
+    """Every row's verdict, from one read of the device: the step's only wait for it."""
+    values = torch.cat([entry.values for entry in pending.values()]).tolist()
+    verdicts, start = {}, 0
+    for b, entry in pending.items():
+        count = entry.values.shape[0]
+        verdicts[b] = entry.finish(values[start: start + count])
+        start += count
+    return verdicts
 
 
 def _draft_key(row: Row) -> str:

@@ -1,11 +1,16 @@
 """Judging a row's draft: the target's distributions in, the accepted path and the next token out.
 
 ``judge`` applies the row's rule (``rules`` on chains, vectorised; ``tree_rules.walk`` on trees) and
-computes the divergence D only where a fuzzy rule reads it.
+computes the divergence D only where a fuzzy rule reads it. It answers in two halves (``Pending``): what
+the rule computed, still on the device, and how to finish the verdict once those values are on the host,
+so that the engine reads every row's outcome in one transfer per step. Chains under every rule, rows
+with no drafts, and greedy ``sd`` trees need nothing else from the device; the other tree walks read the
+device as they go (at most once per level, and for fuzzy rules D where they visit).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -22,16 +27,32 @@ from .tree_rules import walk
 @dataclass
 class Verdict:
     """A rule's decision on one row's draft: the accepted nodes (root's child first), the token after them,
-    what the statistics record (drafts that could have been accepted, and D where a fuzzy rule read it)."""
+    what the statistics record (drafts that could have been accepted, and D where a fuzzy rule read it), and
+    the draft's tokens as host ids."""
 
     path: list[int]
     token: int
     proposed: int
     d: Tensor | None
+    drafted: list[int] = field(default_factory=list)
+
+    @property
+    def emitted(self) -> list[int]:
+        """The tokens this step adds: the accepted drafts, then the target's next token."""
+        return [self.drafted[node] for node in self.path] + [self.token]
+
+
+@dataclass
+class Pending:
+    """A verdict whose last values are still on the device: ``values`` (a 1-D long tensor) is read with every
+    other row's, and ``finish`` makes the verdict from them as a host list."""
+
+    values: Tensor
+    finish: Callable[[list[int]], Verdict]
 
 
 def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: torch.Generator | None
-          ) -> Verdict:
+          ) -> Pending:
     """Apply the row's rule to its draft, given the target's logits [n + 1, V] at the root and every node."""
     sampling = config.sampling
     p = sampling.probs(logits)
@@ -39,8 +60,8 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
     fuzzy = rule in FUZZY
     n = len(draft) if draft is not None else 0
     if n == 0:
-        token = p[0].argmax() if sampling.greedy else sample(p[0], generator)
-        return Verdict([], int(token), 0, None)
+        token = p[:1].argmax(-1) if sampling.greedy else sample(p[0], generator).view(1)
+        return Pending(token, lambda values: Verdict([], values[0], 0, None))
     d = None
     if draft.is_chain:
         if fuzzy:
@@ -49,14 +70,27 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
         q = draft.widened(slice(0, n))[1][None] if draft.sampled and not sampling.greedy else None
         accepted, token = RULES[rule](draft.tokens[None], p[None], q, d[None] if d is not None else None,
                                       config.threshold, sampling.greedy, generator)
-        return Verdict(list(range(int(accepted[0]))), int(token[0]), n, d)
+        values = torch.cat([accepted.view(1), token.view(1), draft.tokens]).long()
+        return Pending(values, lambda values: Verdict(list(range(values[0])), values[1], n, d, values[2:]))
+    depth = max(draft.depths)
+    if rule == "sd" and sampling.greedy:  # the walk needs only p's argmax at every row
+        values = torch.cat([p.argmax(-1), draft.tokens]).long()
+
+        def finish(values: list[int]) -> Verdict:
+            drafted = values[n + 1:]
+            path, token = walk(rule, draft, p, None, config.threshold, True, argmax=values[: n + 1], tokens=drafted)
+            return Verdict(path, token, depth, None, drafted)
+
+        return Pending(values, finish)
     lazy = None
     if fuzzy:
         if draft.q is None:
             raise ValueError("fuzzy rules on a draft tree need the draft's distributions")
         lazy = _TreeDivergences(config, draft, logits, p)
-    path, token = walk(rule, draft, p, lazy, config.threshold, sampling.greedy, generator)
-    return Verdict(path, token, max(draft.depths), lazy.computed() if lazy is not None else None)
+    drafted = draft.tokens.tolist()
+    path, token = walk(rule, draft, p, lazy, config.threshold, sampling.greedy, generator, tokens=drafted)
+    verdict = Verdict(path, token, depth, lazy.computed() if lazy is not None else None, drafted)
+    return Pending(draft.tokens.new_zeros(0), lambda values: verdict)
 
 
 class _TreeDivergences:

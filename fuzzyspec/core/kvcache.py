@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from .host import upload
+
 
 class StaticCache:
     """Every layer's keys and values, [slots, kv_heads, capacity, head_dim] each, and each slot's length.
@@ -77,7 +79,7 @@ class StaticCache:
         kept path of a tree): their keys and values move down to start .. start + len(columns) - 1."""
         if columns == list(range(len(columns))):  # a chain's kept prefix is already in place
             return
-        source = torch.tensor(columns, device=self.device) + start
+        source = upload([start + column for column in columns], self.device)
         target = slice(start, start + len(columns))
         for tensor in (*self.keys, *self.values):
             tensor[slot, :, target] = tensor[slot, :, source]

@@ -47,7 +47,7 @@ class Stats:
         for i in range(accepted):
             self.accepted_at[i] += 1
         if d is not None and d.numel():
-            self.divergences.append(d.reshape(-1).float().cpu())
+            self.divergences.append(d.reshape(-1).float())  # left on the device: read when summarised
 
     @property
     def mean_accepted(self) -> float | None:
@@ -68,7 +68,7 @@ class Stats:
     def divergence_quantiles(self) -> dict[str, float] | None:
         if not self.divergences:
             return None
-        values = torch.cat(self.divergences)
+        values = torch.cat([d.cpu() for d in self.divergences])
         qs = torch.quantile(values, torch.tensor(QUANTILES))
         return {f"q{int(q * 100)}": float(v) for q, v in zip(QUANTILES, qs)} | {"mean": float(values.mean())}
 

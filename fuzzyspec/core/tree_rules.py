@@ -38,31 +38,30 @@ from .draft import Draft
 from .sampling import sample
 
 
-def children_of(tree: Draft) -> list[list[int]]:
-    """Row r's children as node indices, in drafting order (row 0 is the root)."""
-    children: list[list[int]] = [[] for _ in range(len(tree) + 1)]
-    for node, parent in enumerate(tree.parents.tolist()):
-        children[parent + 1].append(node)
-    return children
-
-
 def walk(rule: str, tree: Draft, p: Tensor, d: Any, threshold: float, greedy: bool,
-         generator: torch.Generator | None = None) -> tuple[list[int], int]:
+         generator: torch.Generator | None = None, argmax: list[int] | None = None,
+         tokens: list[int] | None = None) -> tuple[list[int], int]:
     """Apply ``rule`` (``sd``, ``fsd`` or ``fsd-hybrid``) down ``tree``; see the module docstring. ``d``: None
-    for ``sd``, else anything whose ``d[row]`` is D at that row (a tensor, or values computed when first read)."""
+    for ``sd``, else anything whose ``d[row]`` is D at that row (a tensor, or values computed when first read).
+    ``argmax`` (p's argmax at every row) and ``tokens`` (the tree's tokens), when given as host lists, spare
+    the walk its reads of the device: greedy ``sd`` then reads nothing else."""
     if rule not in ("sd", "fsd", "fsd-hybrid"):
         raise ValueError(f"unknown tree rule {rule!r}")
-    children, tokens = children_of(tree), tree.tokens.tolist()
+    children = tree.children
+    tokens = tree.tokens.tolist() if tokens is None else tokens
     path: list[int] = []
     row = 0
     while True:
         p_u, kids = p[row], children[row]
+        best = argmax[row] if argmax is not None else None
         if not kids:
-            return path, int(p_u.argmax()) if greedy else int(sample(p_u, generator))
+            if greedy:
+                return path, best if best is not None else int(p_u.argmax())
+            return path, int(sample(p_u, generator))
         choice, residual = None, p_u
         if rule != "fsd":
             if greedy:
-                best = int(p_u.argmax())
+                best = best if best is not None else int(p_u.argmax())
                 choice = next((kid for kid in kids if tokens[kid] == best), None)
             else:
                 residual = p_u.clone()
@@ -77,7 +76,7 @@ def walk(rule: str, tree: Draft, p: Tensor, d: Any, threshold: float, greedy: bo
             choice = max(kids, key=lambda kid: float(p_u[tokens[kid]]))
         if choice is None:
             if greedy:
-                return path, int(p_u.argmax())
+                return path, best if best is not None else int(p_u.argmax())
             return path, int(sample(residual if residual.sum() > 0 else p_u, generator))
         path.append(choice)
         row = choice + 1

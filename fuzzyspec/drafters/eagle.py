@@ -11,6 +11,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from ..core.draft import BaseDrafter, Budget, Draft
+from ..core.host import upload
 from ..core.kvcache import crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import reduced_lm_head
@@ -73,7 +74,7 @@ class EagleDrafter(BaseDrafter):
     def reset(self) -> None:
         self.cache = DynamicCache()
         self.features: Tensor | None = None  # true target features of positions 0 .. F - 1
-        self.tokens: Tensor | None = None  # the sequence those features belong to
+        self.tokens: Tensor | None = None  # the sequence those features belong to, until the engine vouches for it
         self.true_positions = 0  # head cache positions computed from true features and tokens
 
     def observe(self, start: int, features: Tensor) -> None:
@@ -81,6 +82,9 @@ class EagleDrafter(BaseDrafter):
         known = self.features[:, :start] if self.features is not None else features[:, :0]
         self.features = torch.cat([known, features], 1)
         self.true_positions = min(self.true_positions, start)
+
+    def accepted(self, count: int) -> None:
+        self.tokens = None  # the next sequence extends the last one: no need to compare them on the device
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
@@ -131,30 +135,33 @@ class EagleDrafter(BaseDrafter):
         depths: list[int] = []
         node_q: dict[int, tuple[Tensor, Tensor]] = {}  # expanded node -> (its logits, its q)
 
-        def add_children(parent: int, probs: Tensor, depth: int) -> list[int]:
+        def add_children(expanded: list[int], probs: Tensor, depth: int) -> list[int]:
+            """The ``top_k`` children of every expanded node (probs [len(expanded), N]), read from the device in
+            one transfer per level (probabilities and ids together; ids are exact in float64)."""
             values, ids = probs.topk(min(top_k, probs.shape[-1]))
             if self.vocab is not None:
                 ids = self.vocab.to_target(ids)
+            found = torch.stack([values.double(), ids.double()]).tolist()
             added = []
-            for value, token in zip(values.tolist(), ids.tolist()):
-                if value <= 0:
-                    break
-                added.append(len(tokens))
-                tokens.append(token)
-                parents.append(parent)
-                scores.append((scores[parent] if parent >= 0 else 0.0) + math.log(value))
-                depths.append(depth)
+            for parent, row_values, row_ids in zip(expanded, *found):
+                for value, token in zip(row_values, row_ids):
+                    if value <= 0:
+                        break
+                    added.append(len(tokens))
+                    tokens.append(int(token))
+                    parents.append(parent)
+                    scores.append((scores[parent] if parent >= 0 else 0.0) + math.log(value))
+                    depths.append(depth)
             return added
 
-        frontier = add_children(-1, root_q, 1)
+        frontier = add_children([-1], root_q[None], 1)
         hidden_of = {-1: root_hidden[0, -1]}
         in_cache: list[int] = []  # expanded nodes, in head cache order after ``base``
         for level in range(2, max_depth + 1):
             expand = sorted(frontier, key=lambda node: -scores[node])[:top_k]
             if not expand:
                 break
-            mask = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool,
-                               device=sequence.device)
+            mask = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool)  # made on the host
             mask[:, :base] = True
             slot = {node: base + i for i, node in enumerate(in_cache)}
             for row, node in enumerate(expand):
@@ -163,19 +170,19 @@ class EagleDrafter(BaseDrafter):
                     mask[row, slot[ancestor]] = True
                     ancestor = parents[ancestor]
                 mask[row, base + len(in_cache) + row] = True
-            positions = torch.tensor([[base - 1 + depths[node] for node in expand]], device=sequence.device)
-            embeds = self.embed(torch.tensor([[tokens[node] for node in expand]], device=sequence.device))
+            positions = upload([[base - 1 + depths[node] for node in expand]], sequence.device)
+            embeds = self.embed(upload([[tokens[node] for node in expand]], sequence.device))
             features = torch.stack([hidden_of[parents[node]] for node in expand])[None]
-            hidden = self.head(embeds, features, self.cache, mask=mask[None, None], positions=positions)
+            hidden = self.head(embeds, features, self.cache, mask=upload(mask, sequence.device)[None, None],
+                             positions=positions)
             self.forwards += 1
             in_cache += expand
             logits = self._logits(hidden[0])
             probs = sampling.probs(logits)
-            frontier = []
             for row, node in enumerate(expand):
                 hidden_of[node] = hidden[0, row]
                 node_q[node] = (logits[row], probs[row])
-                frontier += add_children(node, probs[row], level)
+            frontier = add_children(expand, probs, level)
         crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
 
         kept = sorted(range(len(tokens)), key=lambda node: -scores[node])[:total]
@@ -193,6 +200,6 @@ class EagleDrafter(BaseDrafter):
         for node in order:
             if node in node_q:
                 logits[new_index[node] + 1], q[new_index[node] + 1] = node_q[node]
-        return Draft(torch.tensor([tokens[node] for node in order], device=device),
-                     torch.tensor([new_index.get(parents[node], -1) for node in order], device=device),
+        return Draft(upload([tokens[node] for node in order], device),
+                     torch.tensor([new_index.get(parents[node], -1) for node in order]),
                      q, logits, self.vocab, sampled=False)

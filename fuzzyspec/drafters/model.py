@@ -31,12 +31,23 @@ class ModelDrafter(BaseDrafter):
     def reset(self) -> None:
         self.cache = DynamicCache()
         self.cached: Tensor | None = None  # the tokens whose keys and values are in the cache
+        self.seen = 0  # the length of the sequence the last proposal was made for
+        self.valid: int | None = None  # positions of the cache known to match the next sequence
+
+    def accepted(self, count: int) -> None:
+        self.valid = self.seen + count
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
                 generator: torch.Generator | None) -> Draft:
-        kept = 0 if self.cached is None else common_prefix(self.cached, sequence)
+        if self.cached is None:
+            kept = 0
+        elif self.valid is not None:  # told by the engine: no need to compare tokens on the device
+            kept = min(self.valid, self.cached.shape[1])
+        else:
+            kept = common_prefix(self.cached, sequence)
         kept = min(kept, sequence.shape[1] - 1)  # always feed at least one token
+        self.seen, self.valid = sequence.shape[1], None
         crop_to(self.cache, kept)
         fed: list[Tensor] = []  # drafted tokens fed to the model (all but the last, unless drafting stopped early)
 

@@ -177,7 +177,7 @@ def sample_measure(generate: Callable[[Tensor, DecodeConfig], object], prompt_id
             stats = generate(ids, dataclasses.replace(config, threshold=threshold, seed=seed + i)).stats
             accepted, proposed = accepted + stats.accepted, proposed + stats.proposed
             new_tokens, forwards = new_tokens + stats.new_tokens, forwards + stats.target_forwards
-            steps += stats.divergences
+            steps += [d.cpu() for d in stats.divergences]
         return Measurement(threshold, accepted / max(proposed, 1), new_tokens / max(forwards, 1), steps)
 
     return measure

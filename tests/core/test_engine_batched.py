@@ -1,10 +1,13 @@
 """The engine with many rows: each row decodes as it would alone, whatever shares its batch."""
+import sys
+
 import pytest
 import torch
 
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.engine import Engine, decode, decode_batch
+from fuzzyspec.core.draft import Draft
+from fuzzyspec.core.engine import Engine, Job, decode, decode_batch
 from fuzzyspec.core.step import LlamaForward, TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.eagle import EagleDrafter
@@ -179,3 +182,59 @@ def test_eager_attention_gets_an_additive_mask(draft):
                            [ModelDrafter(draft, V) for _ in PROMPTS], V)
     for prompt, config, (tokens, _) in zip(PROMPTS, configs, batched):
         assert tokens == alone(eager, ModelDrafter(draft, V), prompt, config)[0]
+
+
+class DeviceReads:
+    """Counts the places where Python reads a tensor's values (each one a wait for the device on a GPU), by
+    the file that reads: on the CPU nothing waits, but the same calls would."""
+
+    METHODS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.by_file: dict[str, int] = {}
+        for name in self.METHODS:
+            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+
+    def _counted(self, method):
+        def counted(tensor, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            self.by_file[caller] = self.by_file.get(caller, 0) + 1
+            return method(tensor, *args, **kwargs)
+        return counted
+
+    def count(self, *parts: str) -> int:
+        return sum(n for file, n in self.by_file.items() if any(part in file for part in parts))
+
+
+def test_a_step_reads_the_device_once(target, draft, head, monkeypatch):
+    """The hot loop waits for the device once per step, for every row's outcome together: AR rows, chains
+    under every rule (greedy and sampled) and greedy sd trees. A tree's drafting reads once per level."""
+    rows = [("ar", DecodeConfig(method="ar", max_new_tokens=200)),
+            ("draft", DecodeConfig(method="sd", gamma=4, max_new_tokens=200)),
+            ("draft", DecodeConfig(method="sd", gamma=3, max_new_tokens=200, seed=1, sampling=Sampling(temperature=1.0))),
+            ("draft", DecodeConfig(method="fsd", threshold=0.3, gamma=3, max_new_tokens=200, seed=2,
+                                   sampling=Sampling(temperature=0.8))),
+            ("eagle", DecodeConfig(method="fsd-hybrid", threshold=0.2, gamma=4, max_new_tokens=200)),
+            ("eagle", DecodeConfig(method="sd", max_new_tokens=200, tree=True, tree_depth=4))]
+    engine = Engine(target, V)
+    engine.add_many([Job(torch.tensor([PROMPTS[i % len(PROMPTS)]]), config, drafter_for(kind, target, draft, head))
+                     for i, (kind, config) in enumerate(rows)])
+    engine.step()  # the EAGLE rows draft from the second step on
+    reads = DeviceReads(monkeypatch)
+    steps = 6
+    for _ in range(steps):
+        engine.step()
+    assert len(engine.rows) == len(rows)
+    # core/draft.py reads a draft's shape, which lives on the CPU by construction
+    assert reads.count("fuzzyspec/core/", "fuzzyspec/drafters/model.py") - reads.count("fuzzyspec/core/draft.py") \
+        == steps, reads.by_file
+    assert reads.count("fuzzyspec/drafters/eagle.py") <= 4 * steps, reads.by_file  # one per tree level
+
+
+def test_drafts_keep_their_shape_on_the_host():
+    draft = Draft.chain(torch.tensor([3, 4, 5]))
+    assert draft.parents.device.type == "cpu" and draft.is_chain and draft.depths == [1, 2, 3]
+    tree = Draft(torch.tensor([3, 4, 5]), torch.tensor([-1, -1, 0]))
+    assert not tree.is_chain and tree.children == [[0, 1], [2], [], []] and tree.depths == [1, 1, 2]
+    with pytest.raises(ValueError, match="parent"):
+        Draft(torch.tensor([3, 4]), torch.tensor([-1, 1]))
