@@ -122,6 +122,14 @@ def test_console_script(tiny_dirs):
     (["--task", "gsm8k", "--data", "/no/such.jsonl"], ["no such file"]),
     (["--task", "freeform", "--gamma", "0"], ["--gamma must be >= 1"]),
     (["--task", "humaneval"], ["runs the model's code", "--allow-code-execution"]),
+    (["--task", "freeform", "--worker", "2/2"], ["--worker must be i/n with 0 <= i < n, got '2/2'"]),
+    (["--task", "freeform", "--worker", "0/0"], ["--worker must be i/n with 0 <= i < n"]),
+    (["--task", "freeform", "--worker=-1/2"], ["--worker must be i/n with 0 <= i < n"]),
+    (["--task", "freeform", "--worker", "1"], ["--worker must be i/n (worker i of n), got '1'"]),
+    (["--task", "freeform", "--worker", "a/b"], ["--worker must be i/n (worker i of n)"]),
+    (["--merge"], ["not a sweep folder (it has no sweep.json)"]),
+    (["--merge", "--task", "freeform"], ["not allowed with"]),
+    ([], ["one of the arguments --task --merge is required"]),
 ])
 def test_bench_bad_input(capsys, tmp_path, argv, fragments):
     fails_cleanly(capsys, ["bench", "--out", str(tmp_path / "out"), *argv], *fragments)
@@ -159,6 +167,40 @@ def test_bench_command(capsys, tmp_path, tiny_dirs):
     assert "fsd js T=0.5" in table[-1]
     for name in ("results.csv", "results.json", "curve.png", "greedy_reference.jsonl"):
         assert (out / name).is_file()
+
+
+def test_bench_bad_torchrun_ranks(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    fails_cleanly(capsys, ["bench", "--task", "freeform", "--out", str(tmp_path)],
+                  "RANK/WORLD_SIZE (torchrun's) must be i/n with 0 <= i < n, got '2/2'")
+
+
+def test_bench_workers_from_torchrun_ranks_and_merge(capsys, tmp_path, tiny_dirs, monkeypatch):
+    from fuzzyspec.eval.bench import Spec
+
+    out = tmp_path / "sweep"
+    argv = ["bench", "--task", "freeform", "--data", PROMPTS, "--out", str(out), "--target", tiny_dirs["target"],
+            "--drafts", f"ar,{tiny_dirs['draft']}", "--rules", "sd", "--max-new-tokens", "3", "--dtype", "float32",
+            "--quiet"]
+    monkeypatch.setenv("RANK", "0")  # as torchrun sets them; nothing else of torch.distributed is used
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(argv) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1  # the table's header: no row is finished yet
+    generations = out / "generations"
+    stems = [Spec("ar", "ar").stem, Spec(tiny_dirs["draft"], "sd").stem]
+    assert sorted(p.name for p in generations.iterdir()) == sorted(f"{stem}.w0of2.jsonl" for stem in stems)
+    assert len((generations / f"{stems[0]}.w0of2.jsonl").read_text().splitlines()) == 2  # of 3 examples: 0, 2
+    assert main(argv + ["--worker", "1/2"]) == 0  # --worker wins over the environment
+    table = capsys.readouterr().out
+    assert len(table.splitlines()) == 1 + 2
+    assert len((generations / f"{stems[0]}.w1of2.jsonl").read_text().splitlines()) == 1
+    for name in ("results.csv", "results.json", "curve.png"):
+        (out / name).unlink()
+    assert main(["bench", "--merge", "--out", str(out)]) == 0
+    merged = capsys.readouterr().out
+    assert [line.split()[:2] for line in merged.splitlines()] == [line.split()[:2] for line in table.splitlines()]
+    assert all((out / name).is_file() for name in ("results.csv", "results.json", "curve.png"))
 
 
 def test_calibrate_command(capsys, tiny_dirs):

@@ -5,6 +5,11 @@ A sweep lives in one folder. Every finished example is appended to ``generations
 example, and adding thresholds to a finished sweep runs only the new rows. After each row the folder's
 ``results.csv``, ``results.json`` and ``curve.png`` are rewritten from everything finished so far.
 
+Several processes (on machines sharing the folder) can split a sweep: worker i of n decodes the examples
+whose index % n == i in every row and appends only to files of its own (``generations/<row>.w<i>of<n>.jsonl``,
+``greedy_reference.w<i>of<n>.jsonl``). Everything is read from every worker's files: an example any of them
+finished is done, a row is finished when all of its examples are, and its figures sum over all of them.
+
 Speed is new tokens / seconds inside the decoding loop, summed over examples; scoring (running
 HumanEval tests, the target's NLL, agreement with its greedy output) happens outside the timed part.
 Every example is decoded with seed = sweep seed + its index, the same in every row.
@@ -13,12 +18,15 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
+import os
 import platform
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -33,6 +41,7 @@ from .tasks import Example, Task, get_task
 
 TREE_SUFFIX = "+tree"  # a drafter "eagle+tree" drafts EAGLE-2 trees with the head "eagle"
 COUNTERS = ("new_tokens", "target_forwards", "accepted", "proposed", "wall_s")
+SETTINGS_FILE = "sweep.json"  # what makes a folder a sweep folder
 
 
 @dataclass(frozen=True)
@@ -77,8 +86,9 @@ class Spec:
         return " ".join(parts)
 
     @property
-    def file_name(self) -> str:
-        return re.sub(r"[^A-Za-z0-9=.+-]+", "_", self.key) + ".jsonl"
+    def stem(self) -> str:
+        """The name of the row's generation files: ``<stem>.jsonl``, or a worker's ``<stem>.w<i>of<n>.jsonl``."""
+        return re.sub(r"[^A-Za-z0-9=.+-]+", "_", self.key)
 
 
 def plan(drafts: list[str], rules: list[str], divergences: list[str], thresholds: list[float],
@@ -136,20 +146,65 @@ def _append_jsonl(path: Path, record: dict) -> None:
         file.write((json.dumps(record) + "\n").encode())
 
 
+def _read_json(path: Path, default: Any) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else default
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` through a temporary file beside it, then rename it into place: workers write the
+    folder's shared files (settings, rows, calibrations, results), and a rename leaves a reader, or another
+    worker writing the same file, a whole file, never a half-written or interleaved one. The temporary name
+    is this process's own on any machine sharing the folder; a ``write`` that makes no file replaces nothing."""
+    temp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}{path.suffix}")
+    try:
+        write(temp)
+        if temp.exists():
+            os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, value: Any, indent: int = 2) -> None:
+    _replace(path, lambda temp: temp.write_text(json.dumps(value, indent=indent) + "\n"))
+
+
+def _worker_files(folder: Path, stem: str) -> list[Path]:
+    """``stem.jsonl`` and every worker's ``stem.w<i>of<n>.jsonl`` in ``folder``, in name order (the plain
+    file first): the one order in which duplicates are resolved, whichever process reads them."""
+    pattern = re.compile(re.escape(stem) + r"(\.w\d+of\d+)?\.jsonl")
+    return sorted(p for p in folder.iterdir() if pattern.fullmatch(p.name)) if folder.is_dir() else []
+
+
+def _first_by_id(paths: list[Path]) -> dict[str, dict]:
+    """The records of these files by example id; an example found twice (finished by two workers, or again by
+    a rerun with another worker count) counts once, as its first record."""
+    records: dict[str, dict] = {}
+    for path in paths:
+        for record in _read_jsonl(path):
+            records.setdefault(record["id"], record)
+    return records
+
+
 @dataclass
 class Sweep:
-    """A sweep folder: its settings, the loaded models, and the rows run so far."""
+    """A sweep folder: its settings, the loaded models, and the rows run so far. ``worker`` (i, n): this
+    process decodes the examples whose index % n == i, so that every worker's timing covers every row."""
 
     settings: Settings
     out: Path
     progress: bool = True
+    worker: tuple[int, int] = (0, 1)
     task: Task = field(init=False)
     examples: list[Example] = field(init=False)
     _pairs: dict[str, ModelPair] = field(init=False, default_factory=dict)
     _warm: set[str] = field(init=False, default_factory=set)
     _ids: dict[str, torch.Tensor] = field(init=False, default_factory=dict)
+    _hardware: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        index, count = self.worker
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(f"worker must be i/n with 0 <= i < n, got {index}/{count}")
         self.out = Path(self.out)
         self._check_settings()
         self.task = get_task(self.settings.task, self.settings.data)
@@ -157,11 +212,16 @@ class Sweep:
         if not self.examples:
             raise ValueError(f"task {self.settings.task!r} has no examples")
 
+    @classmethod
+    def from_folder(cls, out: str | Path, progress: bool = False) -> Sweep:
+        """The sweep a folder holds, with the settings saved there (to merge its workers' results)."""
+        return cls(Settings(**json.loads((Path(out) / SETTINGS_FILE).read_text())), out, progress)
+
     def _check_settings(self) -> None:
         mine = dataclasses.asdict(self.settings)
-        path = self.out / "sweep.json"
-        if path.is_file():
-            theirs = json.loads(path.read_text())
+        path = self.out / SETTINGS_FILE
+        theirs = _read_json(path, None)
+        if theirs is not None:
             flat = {k: v for k, v in mine.items() if k != "decoding"} | mine["decoding"]  # name the option itself
             saved = {k: v for k, v in theirs.items() if k != "decoding"} | (theirs.get("decoding") or {})
             differ = sorted(k for k in flat.keys() | saved.keys() if saved.get(k) != flat.get(k))
@@ -169,7 +229,13 @@ class Sweep:
                 raise ValueError(f"{self.out} holds a sweep with other settings ({', '.join(differ)} differ): "
                                  f"use another --out")
         (self.out / "generations").mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(mine, indent=2) + "\n")
+        if theirs is None:  # workers starting together may each write it: the same text, renamed into place
+            _write_json(path, mine)
+
+    def _own(self, folder: Path, stem: str) -> Path:
+        """This worker's file ``stem`` in ``folder``: the plain name for a sweep in one process."""
+        index, count = self.worker
+        return folder / (f"{stem}.jsonl" if count == 1 else f"{stem}.w{index}of{count}.jsonl")
 
     # -- models -------------------------------------------------------------------------------------
     def pair(self, draft: str) -> ModelPair:
@@ -211,28 +277,32 @@ class Sweep:
         if spec.rule not in FUZZY or spec.threshold is not None:
             return spec.threshold
         path = self.out / "calibrations.json"
-        known = json.loads(path.read_text()) if path.is_file() else {}
+        known = _read_json(path, {})
         if spec.key not in known:
             s = self.settings
             config = self.config(spec, 0.0, max_new_tokens=s.calibration_tokens, seed=s.option("seed"))
             sample = [e.prompt for e in self.examples[: s.calibration_prompts]]
-            known[spec.key] = calibrate_pair(self.pair(spec.draft), config, "acceptance", spec.target_acceptance,
-                                             sample, self.task.stop, self.progress).to_dict()
-            path.write_text(json.dumps(known, indent=2) + "\n")
+            found = calibrate_pair(self.pair(spec.draft), config, "acceptance", spec.target_acceptance,
+                                   sample, self.task.stop, self.progress).to_dict()
+            # Read again: a T another worker saved meanwhile wins, so that the row's examples share one T.
+            known = _read_json(path, {})
+            known.setdefault(spec.key, found)
+            _write_json(path, known)
         return known[spec.key]["threshold"]
 
     # -- rows ---------------------------------------------------------------------------------------
     def _is_greedy_ar(self, spec: Spec) -> bool:
         return spec.rule == "ar" and self.settings.option("temperature") == 0
 
-    def references(self, specs: list[Spec], done: dict[str, dict[str, dict]]) -> dict[str, list[int]]:
-        """The target's greedy output per example (for agreement), kept on disk. A greedy AR row
-        produces it anyway (and runs first), so only what no such row will produce is computed here."""
-        known = {r["id"]: r["tokens"] for r in _read_jsonl(self.out / "greedy_reference.jsonl")}
-        coming = {e.id for spec in specs if self._is_greedy_ar(spec) for e in self.examples
-                  if e.id not in done[spec.key]}
+    def references(self, specs: list[Spec], todo: dict[str, list[tuple[int, Example]]]) -> dict[str, list[int]]:
+        """The target's greedy output for the examples this worker will decode (for agreement), kept on disk
+        and read from every worker's file. A greedy AR row produces it anyway (and runs first), so only what
+        no such row of this worker will produce is computed here."""
+        known = {id_: r["tokens"] for id_, r in _first_by_id(_worker_files(self.out, "greedy_reference")).items()}
+        coming = {e.id for spec in specs if self._is_greedy_ar(spec) for _, e in todo[spec.key]}
+        needed = {e.id for pairs in todo.values() for _, e in pairs}
         spec = Spec("ar", "ar")
-        missing = [e for e in self.examples if e.id not in known and e.id not in coming]
+        missing = [e for e in self.examples if e.id in needed and e.id not in known and e.id not in coming]
         for example in tqdm(missing, desc="greedy reference", leave=False, disable=not self.progress):
             config = self.config(spec, None, temperature=0.0, top_k=0, top_p=1.0, seed=0)
             self._remember(known, example.id, self.generate(spec, self.ids(example), config).tokens)
@@ -241,43 +311,65 @@ class Sweep:
     def _remember(self, references: dict[str, list[int]], example_id: str, tokens: list[int]) -> None:
         if example_id not in references:
             references[example_id] = tokens
-            _append_jsonl(self.out / "greedy_reference.jsonl", {"id": example_id, "tokens": tokens})
+            _append_jsonl(self._own(self.out, "greedy_reference"), {"id": example_id, "tokens": tokens})
 
     def _all_specs(self, specs: list[Spec]) -> list[Spec]:
         """These rows after every row an earlier run of this folder asked for (kept in specs.json), so
-        that the folder's results always hold all of its rows."""
+        that the folder's results always hold all of its rows; a greedy AR row first, so that its outputs
+        can serve as the greedy reference."""
         path = self.out / "specs.json"
-        known = [Spec(**spec) for spec in json.loads(path.read_text())] if path.is_file() else []
-        merged = list({spec.key: spec for spec in known + specs}.values())
-        path.write_text(json.dumps([dataclasses.asdict(spec) for spec in merged], indent=1) + "\n")
-        return merged
+        while True:  # until the file holds these rows: a worker starting beside this one may replace it
+            known = [Spec(**spec) for spec in _read_json(path, [])]
+            merged = list({spec.key: spec for spec in known + specs}.values())
+            if merged == known:
+                return sorted(merged, key=lambda spec: not self._is_greedy_ar(spec))
+            _write_json(path, [dataclasses.asdict(spec) for spec in merged], indent=1)
+
+    def _done(self, specs: list[Spec]) -> dict[str, dict[str, dict]]:
+        """Every worker's finished examples, per row: {row key: {example id: record}}."""
+        return {spec.key: _first_by_id(_worker_files(self.out / "generations", spec.stem)) for spec in specs}
 
     def run(self, specs: list[Spec]) -> list[dict]:
-        """Run every row not yet finished (with one progress bar over all their examples); return all the
-        folder's finished rows. A greedy AR row runs first, so that its outputs can serve as the greedy
-        reference."""
-        specs = sorted(self._all_specs(specs), key=lambda spec: not self._is_greedy_ar(spec))
-        done = {spec.key: {r["id"]: r for r in _read_jsonl(self.out / "generations" / spec.file_name)}
-                for spec in specs}
-        todo = sum(len([e for e in self.examples if e.id not in done[s.key]]) for s in specs)
-        references = self.references(specs, done) if self.task.compare_to_greedy and todo else None
-        bar = tqdm(total=todo, desc="bench", unit="example", disable=not self.progress)
+        """Run this worker's share of every row not yet finished by any worker (with one progress bar over all
+        of it); return all the folder's finished rows, every worker's included."""
+        specs = self._all_specs(specs)
+        done = self._done(specs)
+        index, count = self.worker
+        todo = {spec.key: [(i, e) for i, e in enumerate(self.examples) if i % count == index
+                           and e.id not in done[spec.key]] for spec in specs}
+        total = sum(map(len, todo.values()))
+        references = self.references(specs, todo) if self.task.compare_to_greedy and total else None
+        name = "bench" if count == 1 else f"bench {index}/{count}"
+        bar = tqdm(total=total, desc=name, unit="example", disable=not self.progress)
         for spec in specs:
-            missing = [(i, e) for i, e in enumerate(self.examples) if e.id not in done[spec.key]]
-            if not missing:
+            if not todo[spec.key]:
                 continue
-            bar.set_description(spec.key)
+            bar.set_description(spec.key if count == 1 else f"{spec.key} [{index}/{count}]")
             threshold = self.threshold(spec)
             self._warm_up(spec, threshold)
-            for index, example in missing:
-                record = self._run_example(spec, threshold, index, example, references)
-                _append_jsonl(self.out / "generations" / spec.file_name, record)
-                done[spec.key][example.id] = record
+            path = self._own(self.out / "generations", spec.stem)
+            for example_index, example in todo[spec.key]:
+                _append_jsonl(path, self._run_example(spec, threshold, example_index, example, references))
                 bar.update()
-            self.write([s for s in specs if len(done[s.key]) == len(self.examples)], done)
+            self.merge()
         bar.close()
-        finished = [s for s in specs if len(done[s.key]) == len(self.examples)]
-        return self.write(finished, done)
+        return self.merge()
+
+    def merge(self) -> list[dict]:
+        """Rewrite results.csv, results.json and curve.png from every worker's records; return the finished
+        rows. Workers finishing together may each read before the other's last record and write after it,
+        so the files are read again after writing, until no row finished meanwhile: whoever writes last
+        has read everything."""
+        specs = self._all_specs([])
+        rows: list[dict] = []
+        written: list[Spec] | None = None
+        while True:
+            done = self._done(specs)
+            finished = [s for s in specs if all(e.id in done[s.key] for e in self.examples)]
+            if finished == written:
+                return rows
+            rows = self.write(finished, done)
+            written = finished
 
     def _warm_up(self, spec: Spec, threshold: float | None) -> None:
         """One short untimed call per drafter, so the first timed example pays no one-off costs."""
@@ -300,13 +392,18 @@ class Sweep:
             if self._is_greedy_ar(spec):
                 self._remember(references, example.id, result.tokens)
             scores |= greedy_agreement(result.tokens, references[example.id])
+        if self._hardware is None:
+            self._hardware = hardware(self.settings.device)
         return {"id": example.id, "completion": result.text, "finish_reason": result.finish_reason,
-                "threshold": threshold, **{k: getattr(stats, k) for k in COUNTERS}, "scores": scores}
+                "threshold": threshold, **{k: getattr(stats, k) for k in COUNTERS}, "scores": scores,
+                "hardware": self._hardware}
 
     def row(self, spec: Spec, records: list[dict]) -> dict:
         """One CSV/JSON row: the configuration, the task's metrics (means over examples) and the speed."""
         s = self.settings
         total = {k: sum(r[k] for r in records) for k in COUNTERS}
+        # What the timings were measured on (workers may have run on different machines), not what merges.
+        measured = " | ".join(dict.fromkeys(r.get("hardware") or hardware(s.device) for r in records))
         names = sorted({k for r in records for k in r["scores"]}, key=lambda k: (k != self.task.metric, k))
         metrics = {}
         for name in names:
@@ -322,24 +419,25 @@ class Sweep:
             "target_forwards": total["target_forwards"], "new_tokens": total["new_tokens"],
             "prompts": len(records), "seed": s.option("seed"), "target": s.target or EMBEDDED,
             "dtype": s.dtype, "weights": s.weights, "compiled": s.compile, "device": s.device, "temperature": s.option("temperature"), "top_k": s.option("top_k"),
-            "top_p": s.option("top_p"), "gamma": s.option("gamma"), "max_new_tokens": s.option("max_new_tokens"), "hardware": hardware(s.device), "key": spec.key,
+            "top_p": s.option("top_p"), "gamma": s.option("gamma"), "max_new_tokens": s.option("max_new_tokens"), "hardware": measured, "key": spec.key,
         }
 
     def write(self, specs: list[Spec], done: dict[str, dict[str, dict]]) -> list[dict]:
-        """Rewrite results.csv, results.json and curve.png from the finished rows."""
+        """Rewrite results.csv, results.json and curve.png from the finished rows (records in example order,
+        whichever worker wrote them)."""
         from .plot import plot_curve  # matplotlib loads only when there is something to draw
 
         ids = [e.id for e in self.examples]
         rows = [self.row(spec, [done[spec.key][i] for i in ids]) for spec in specs]
         if not rows:
             return rows
-        columns = list(dict.fromkeys(k for row in rows for k in row))
-        with (self.out / "results.csv").open("w", newline="") as file:
-            writer = csv.DictWriter(file, columns)
-            writer.writeheader()
-            writer.writerows(rows)
-        (self.out / "results.json").write_text(json.dumps(
-            {"settings": dataclasses.asdict(self.settings), "rows": rows}, indent=2) + "\n")
-        plot_curve(rows, self.out / "curve.png", self.task.metric, self.task.higher_is_better,
-                   title=f"{self.task.name}, {len(self.examples)} examples, {rows[0]['target']}\n{rows[0]['hardware']}")
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, list(dict.fromkeys(k for row in rows for k in row)))
+        writer.writeheader()
+        writer.writerows(rows)
+        _replace(self.out / "results.csv", lambda temp: temp.write_text(table.getvalue(), newline=""))
+        _write_json(self.out / "results.json", {"settings": dataclasses.asdict(self.settings), "rows": rows})
+        title = f"{self.task.name}, {len(self.examples)} examples, {rows[0]['target']}\n{rows[0]['hardware']}"
+        _replace(self.out / "curve.png", lambda temp: plot_curve(rows, temp, self.task.metric,
+                                                                 self.task.higher_is_better, title=title))
         return rows

@@ -78,7 +78,7 @@ def test_a_sweep_writes_rows_csv_json_and_png(tmp_path, task_file, tiny_dirs):
     assert [r["key"] for r in table] == [s.key for s in specs]
     assert json.loads((out / "results.json").read_text())["rows"] == json.loads(json.dumps(rows))
     assert (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
-    generations = (out / "generations" / specs[0].file_name).read_text().splitlines()
+    generations = (out / "generations" / f"{specs[0].stem}.jsonl").read_text().splitlines()
     assert len(generations) == 4 and "completion" in json.loads(generations[0])
 
 
@@ -90,7 +90,7 @@ def test_a_sweep_resumes_without_redoing_rows(tmp_path, task_file, tiny_dirs, mo
     assert calls == [] and again == first
 
     # An interrupted row: its last two examples are missing (and a half-written line is ignored).
-    path = tmp_path / "generations" / specs[1].file_name
+    path = tmp_path / "generations" / f"{specs[1].stem}.jsonl"
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])
     # A new threshold in the same sweep: only its row runs.
@@ -143,3 +143,92 @@ def test_the_greedy_ar_row_is_the_greedy_reference(tmp_path, tiny_dirs, monkeypa
     assert len(calls) == 1 + 4  # warm-up and the row: no separate reference pass
     references = (tmp_path / "out" / "greedy_reference.jsonl").read_text().splitlines()
     assert len(references) == 4
+
+
+TIMING = {"tokens_per_s"}  # the only field a row's timing decides (wall_s is summed into it, not shown)
+
+
+def without_timing(rows):
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def csv_without_timing(folder):
+    with (folder / "results.csv").open() as file:
+        return without_timing(list(csv.DictReader(file)))
+
+
+def test_workers_split_a_sweep_and_merge_to_what_one_worker_writes(tmp_path, tiny_dirs):
+    path = tmp_path / "echo.py"
+    path.write_text(TASK.format(compare=True))  # agreement with the greedy reference: AR rows of both workers
+    specs = plan(["ar", tiny_dirs["draft"]], ["sd", "fsd"], ["js"], [0.4])
+    one = Sweep(settings(str(path), tiny_dirs), tmp_path / "one", progress=False).run(specs)
+    two = tmp_path / "two"
+    assert Sweep(settings(str(path), tiny_dirs), two, progress=False, worker=(0, 2)).run(specs) == []
+    last = Sweep(settings(str(path), tiny_dirs), two, progress=False, worker=(1, 2)).run(specs)
+    assert without_timing(last) == without_timing(one)  # the last worker to finish leaves merged results
+
+    generations = two / "generations"
+    for spec in specs:  # each worker wrote only its own files: examples 0, 2 and 1, 3 of every row
+        assert not (generations / f"{spec.stem}.jsonl").exists()
+        for worker, ids in ((0, ["0", "2"]), (1, ["1", "3"])):
+            records = (generations / f"{spec.stem}.w{worker}of2.jsonl").read_text().splitlines()
+            assert [json.loads(line)["id"] for line in records] == ids
+    assert (two / "greedy_reference.w0of2.jsonl").is_file() and (two / "greedy_reference.w1of2.jsonl").is_file()
+
+    for name in ("results.csv", "results.json", "curve.png"):  # as if the workers finished elsewhere
+        (two / name).unlink()
+    merged = Sweep.from_folder(two).merge()
+    assert without_timing(merged) == without_timing(one) and [r["prompts"] for r in merged] == [4] * len(specs)
+    assert csv_without_timing(two) == csv_without_timing(tmp_path / "one")
+    saved, alone = (json.loads((folder / "results.json").read_text())["rows"] for folder in (two, tmp_path / "one"))
+    assert without_timing(saved) == without_timing(alone)
+    assert (two / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_rerun_finishes_only_what_a_lost_worker_left(tmp_path, task_file, tiny_dirs, monkeypatch):
+    specs = plan(["ar", tiny_dirs["draft"]], ["sd"], [], [])
+    for worker in ((0, 2), (1, 2)):
+        rows = Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False, worker=worker).run(specs)
+    lost = tmp_path / "generations" / f"{specs[1].stem}.w1of2.jsonl"
+    lost.unlink()  # worker 1 of 2 died (or its machine's copy is gone): the sd row lacks examples 1 and 3
+    assert Sweep.from_folder(tmp_path).merge() == [rows[0]]
+    calls = count_generate(monkeypatch)
+    again = Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False).run(specs)  # one process, 0/1
+    assert len(calls) == 2 + 1  # the two missing examples and a warm-up
+    assert without_timing(again) == without_timing(rows)
+    redone = (tmp_path / "generations" / f"{specs[1].stem}.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in redone] == ["1", "3"]
+
+    (tmp_path / "generations" / f"{specs[0].stem}.w0of2.jsonl").unlink()  # the same worker, rerun
+    Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False, worker=(0, 2)).run(specs)
+    assert len(calls) == 3 + 2 + 1
+    Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False, worker=(1, 2)).run(specs)
+    assert len(calls) == 6  # its share is all done: the sd row's by the rerun above
+
+    # Another worker count finds nothing left, and a duplicated record counts once.
+    (tmp_path / "generations" / f"{specs[1].stem}.w2of3.jsonl").write_text("\n".join(redone) + "\n")
+    for worker in range(3):
+        Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False, worker=(worker, 3)).run(specs)
+    assert len(calls) == 6
+    merged = Sweep.from_folder(tmp_path).merge()
+    assert without_timing(merged) == without_timing(rows) and merged[1]["prompts"] == 4
+
+
+def test_a_worker_out_of_range_is_refused(tmp_path, task_file, tiny_dirs):
+    for worker in ((2, 2), (0, 0), (-1, 2)):
+        with pytest.raises(ValueError, match="worker must be i/n with 0 <= i < n"):
+            Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False, worker=worker)
+
+
+def test_workers_starting_together_share_the_settings_and_rows(tmp_path, task_file, tiny_dirs):
+    specs = plan(["ar"], [], [], [])
+    first = Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False, worker=(0, 2))
+    saved = (tmp_path / "sweep.json").read_text()
+    second = Sweep(settings(task_file, tiny_dirs), tmp_path, progress=False, worker=(1, 2))
+    assert (tmp_path / "sweep.json").read_text() == saved and not list(tmp_path.glob(".*"))  # no temporary left
+    first.run(specs)
+    second.run(plan([tiny_dirs["draft"]], ["sd"], [], []))  # a worker asking for another row adds it
+    assert [s["rule"] for s in json.loads((tmp_path / "specs.json").read_text())] == ["ar", "sd"]
+    with pytest.raises(ValueError, match="max_new_tokens differ"):
+        Sweep(dataclasses.replace(settings(task_file, tiny_dirs), decoding={"seed": 0, "max_new_tokens": 9}),
+              tmp_path, progress=False, worker=(1, 2))
