@@ -165,10 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="sweep drafters, rules, divergences and thresholds on a task: "
                                               "CSV, JSON, PNG")
-    bench.add_argument("--task", required=True, help="humaneval, gsm8k, csqa, freeform, or a .py file defining a Task")
+    what = bench.add_mutually_exclusive_group(required=True)
+    what.add_argument("--task", help="humaneval, gsm8k, csqa, freeform, or a .py file defining a Task")
+    what.add_argument("--merge", action="store_true",
+                      help="decode nothing: write the results of the sweep in --out from every worker's examples "
+                           "(after workers that finished on different machines, or one that stopped)")
     bench.add_argument("--data", default=None, help="the task's local JSONL file (default: the task's own source)")
     bench.add_argument("--limit", type=int, default=None, help="only the first N examples")
     bench.add_argument("--out", required=True, help="the sweep folder (a sweep there is resumed)")
+    bench.add_argument("--worker", default=None, metavar="I/N",
+                       help="decode only the examples with index %% N == I of every row, into files of this "
+                            "worker's own, so that N processes sharing --out split the sweep (default: 0/1, or "
+                            "RANK/WORLD_SIZE under torchrun)")
     _add_models(bench, draft=False)
     grid = bench.add_argument_group("sweep")
     grid.add_argument("--drafts", type=_names, default=None,
@@ -337,10 +345,16 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
     """The target (in its weights form, compiled or not) and the drafter, with progress while it compiles."""
     from .api import ModelPair
 
+    from .core import parallel
+
+    tp = parallel.launched()
+    if tp and args.command != "generate":
+        raise UsageError(f"under torchrun only `generate` shards the target so far; `{args.command}` does not "
+                         "(bench spreads every row's examples over the ranks instead)")
     compile = _compiles(args, device, long_running)
     if compile:
         _persist_compiled_code()
-    pair = ModelPair.load(args.target, draft, args.dtype, device, args.weights, compile)
+    pair = ModelPair.load(args.target, draft, args.dtype, device, args.weights, compile, tp=tp)
     pair.step.on_compile = lambda rows, width: print(
         f"fuzzyspec: compiling the target's step for {rows} row{'s' if rows > 1 else ''} x {width} "
         f"token{'s' if width > 1 else ''} (once per shape on this machine) ...", file=sys.stderr, flush=True)
@@ -477,12 +491,38 @@ def _calibrate(args: argparse.Namespace) -> None:
               flush=True)
 
 
+def _bench_worker(args: argparse.Namespace) -> tuple[int, int]:
+    """This process's share of a sweep, (i, n): --worker, else torchrun's RANK and WORLD_SIZE, else all of it."""
+    if args.worker is not None:
+        text, name = args.worker, "--worker"
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        text, name = f"{os.environ['RANK']}/{os.environ['WORLD_SIZE']}", "RANK/WORLD_SIZE (torchrun's)"
+    else:
+        return 0, 1
+    index, _, count = text.partition("/")
+    try:
+        index, count = int(index), int(count)
+    except ValueError:
+        raise UsageError(f"{name} must be i/n (worker i of n), got {text!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise UsageError(f"{name} must be i/n with 0 <= i < n, got {text!r}")
+    return index, count
+
+
 def _bench(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("bench needs the [bench] extra: pip install 'fuzzyspec[bench]' (matplotlib is missing)")
-    from .eval.bench import TREE_SUFFIX, Settings, Sweep, plan
+    from .eval.bench import SETTINGS_FILE, TREE_SUFFIX, Settings, Sweep, plan
     from .eval.calibrate import CALIBRATION_PROMPTS
 
+    out = Path(args.out)
+    if args.merge:
+        if not (out / SETTINGS_FILE).is_file():
+            raise UsageError(f"--out {args.out}: not a sweep folder (it has no {SETTINGS_FILE})")
+        sweep = Sweep.from_folder(out)
+        _print_rows(sweep.merge(), sweep.task.metric, out)
+        return
+    worker = _bench_worker(args)
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.methods is not None:
@@ -510,20 +550,26 @@ def _bench(args: argparse.Namespace) -> None:
     if task.runs_code and not getattr(task, "allowed", False):
         raise UsageError(CODE_REFUSAL)
     device = _device(args)
+    if device == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun's processes on one machine: a GPU each
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     settings = Settings(task=args.task, data=args.data, limit=args.limit, target=args.target, dtype=args.dtype,
                         device=device, weights=args.weights, compile=_compiles(args, device, long_running=True),
                         decoding=decoding,
                         calibration_prompts=args.calibration_prompts or CALIBRATION_PROMPTS)
-    out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / ".write-test").touch()
         (out / ".write-test").unlink()
     except OSError as error:
         raise UsageError(f"--out {args.out}: cannot write there ({error.strerror or error})") from None
-    sweep = Sweep(settings, out, progress=not args.quiet)
-    rows = sweep.run(specs)
-    metric = sweep.task.metric
+    sweep = Sweep(settings, out, progress=not args.quiet, worker=worker)
+    _print_rows(sweep.run(specs), sweep.task.metric, out)
+
+
+def _print_rows(rows: list[dict], metric: str, out: Path) -> None:
+    """The sweep's finished rows as a table on stdout; where their files are on stderr."""
     print(f"{'configuration':<36} {metric:>8} {'tok/s':>7} {'tok/pass':>8} {'accept':>7}")
     for row in rows:
         value = "-" if row.get(metric) is None else f"{row[metric]:.3f}"
@@ -691,7 +737,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         from transformers.utils import logging as transformers_logging
 
+        from .core import parallel
+
         transformers_logging.disable_progress_bar()
+        if parallel.launched() and parallel.rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; every rank still reports its errors
         COMMANDS[args.command](args)
     except UsageError as error:
         print(f"fuzzyspec: error: {error}", file=sys.stderr)
@@ -707,6 +757,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except RuntimeError as error:  # a peer of a tensor-parallel launch died or went silent: one line, every rank
+        from .core import parallel
+
+        if not parallel.launched():
+            raise
+        log.debug("failed", exc_info=True)
+        print(f"fuzzyspec: error (rank {parallel.rank()}): {parallel.describe(error)}", file=sys.stderr)
+        return 1
     return 0
 
 
