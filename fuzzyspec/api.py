@@ -62,16 +62,18 @@ class ModelPair:
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = DEFAULT_DRAFT, dtype: str = "auto",
-             device: str = "cpu", weights: str = "auto", compile: bool = False) -> "ModelPair":
+             device: str = "cpu", weights: str = "auto", compile: bool = False, tp: bool = False) -> "ModelPair":
         """Load by name (see ``loading.load_model`` and ``drafters.registry``). ``target=None`` is the embedded
         SmolLM2-135M-Instruct; ``draft="default"`` the drafter of its default job, ``None`` no drafter
         (AR only). ``weights``: ``auto``, ``int4`` (a GGUF at its own 4-bit bytes), ``bf16`` or ``fp32``.
         ``compile``: run the target's decoding steps compiled (``torch.compile``; see ``core.step``). The
-        costs measured while it decodes are kept in the cache for this machine (``tuning``)."""
+        costs measured while it decodes are kept in the cache for this machine (``tuning``). ``tp``: under
+        ``torchrun``, shard the target over the launch's ranks (``core.parallel``); every rank must then make
+        the same calls, and the drafter runs on each."""
         from . import tuning
 
         key = tuning.profile_key(target, weights, dtype, device, compile)  # checks the options before loading
-        target_model, tokenizer = load_model(target, dtype, device, weights)
+        target_model, tokenizer = load_model(target, dtype, device, weights, tp=tp)
         source = load_drafter(draft, target_model, tokenizer, target, dtype, device, weights) \
             if draft is not None else None
         step = TargetStep(target_model, compile=compile)

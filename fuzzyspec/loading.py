@@ -190,23 +190,35 @@ def _has_int4_linears(name: str | None) -> bool:
         return True  # not readable here: loading it says what is wrong
 
 
-def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto"
-               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto",
+               tp: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
     ``name``: None or ``smollm2-135m-instruct`` for the embedded target; a path to a
     ``.gguf`` file; a local folder; or a hub id. ``weights`` (``WEIGHTS``, see ``weight_form``): ``int4``
     holds a GGUF at its own 4-bit bytes (``gguf.load_int4``); float forms dequantize it (through
     transformers); None: float, at ``dtype`` (training wants that). ``device``: ``cpu``, ``cuda``,
-    ``cuda:N``, or ``auto`` to spread a large model over all GPUs (``device_map="auto"``).
+    ``cuda:N``, or ``auto`` to spread a large model over all GPUs (``device_map="auto"``). ``tp``: shard
+    it over the ranks of this ``torchrun`` launch with transformers' tensor-parallel plan (``core.parallel``).
     """
     form = dtype if weights is None else weight_form(name, weights, dtype, device)
+    if tp and (form == "int4" or device == "auto"):
+        raise LoadError("a tensor-parallel target needs float weights on one device per rank: use --weights "
+                        "bf16 or fp32 and --device cpu or cuda")
     if form == "int4":
         return _load_int4(name)
     torch_dtype = resolve_dtype(form, device)
     kwargs: dict = {"dtype": torch_dtype}
     if device == "auto":
         kwargs["device_map"] = "auto"
+    if tp:
+        from transformers.distributed import DistributedConfig
+
+        from .core import parallel
+
+        parallel.start(device)
+        device = parallel.local_device(device)
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
     if name is None or name == EMBEDDED:
         source, gguf_file = str(embedded_folder()), None
     elif name.endswith(".gguf"):
@@ -226,7 +238,7 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
         # A truncated or corrupt file fails deep in a reader (struct.error from GGUF's): one line says so.
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise LoadError(f"could not load model {name!r} ({type(error).__name__}): {first_line}") from error
-    if device != "auto":
+    if device != "auto" and not tp:
         model.to(device)
     model.eval()
     return model, tokenizer

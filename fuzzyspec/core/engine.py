@@ -39,6 +39,7 @@ from .draft import Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge
 from .kvcache import StaticCache, attention_mask, write_positions
+from .parallel import agree
 from .sampling import Sampling, sample
 from .scoring import TokenLogprob, log_probs, token_logprobs
 from .stats import Stats
@@ -119,6 +120,7 @@ class Engine:
         self.step_fn = target if isinstance(target, TargetStep) else TargetStep(target)
         self.target, self.vocab_size = self.step_fn.model, vocab_size
         self.device = self.target.get_input_embeddings().weight.device
+        self.shards = self.step_fn.shards  # ranks sharing a tensor-parallel target: they step in lockstep
         self.timer = DeviceTimer(self.device)
         self.cache: StaticCache | None = None
         self.slots: list[Row | None] = []
@@ -148,10 +150,15 @@ class Engine:
         found = self._prefill(prompts, slots, readers)
         self.slots += [None] * (1 + max(slots) - len(self.slots))
         added = []
+        # a seed left to chance is drawn once for everyone: the ranks of a sharded target must draw alike
+        seeds = agree([job.config.seed if job.config.seed is not None else
+                       int(torch.randint(2 ** 62, ()).item()) for job in jobs]) if self.shards > 1 else None
         for b, (job, input_ids, slot) in enumerate(zip(jobs, prompts, slots)):
             config, drafter = job.config, job.drafter
             generator = torch.Generator(device=self.device)
-            if config.seed is None:
+            if seeds is not None:
+                generator.manual_seed(seeds[b])
+            elif config.seed is None:
                 generator.seed()
             else:
                 generator.manual_seed(config.seed)
@@ -176,7 +183,7 @@ class Engine:
                 capacity *= 2
             config = self.target.config
             dtype = self.target.get_input_embeddings().weight.dtype
-            self.cache = StaticCache.for_model(config, slots, capacity, dtype, self.device)
+            self.cache = StaticCache.for_model(config, slots, capacity, dtype, self.device, self.shards)
             return
         capacity = self.cache.capacity
         while capacity < length:
@@ -249,6 +256,8 @@ class Engine:
                    for _, row in planned]
         sizes = plan(options, [row.acceptance for _, row in planned], self.step_fn.profile, self.step_fn.shape,
                      len(self.slots) - len(planned))
+        if self.shards > 1:  # each rank timed its own steps: rank 0's plan is everyone's
+            sizes = agree(sizes)
         for (_, row), size in zip(planned, sizes):
             row.size = size
 

@@ -39,11 +39,13 @@ class StaticCache:
         self.lengths = [0] * slots
 
     @classmethod
-    def for_model(cls, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str
-                  ) -> "StaticCache":
+    def for_model(cls, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str,
+                  shards: int = 1) -> "StaticCache":
+        """The cache of a model with this config; a tensor-parallel rank (one of ``shards``) holds its share
+        of the key-value heads."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, slots, capacity, dtype, device)
+        return cls(config.num_hidden_layers, kv_heads // shards, head_dim, slots, capacity, dtype, device)
 
     @property
     def slots(self) -> int:

@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cost import Profile
 from .kvcache import StaticCache
+from .parallel import shards
 
 Features = dict[int, Tensor]
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -43,9 +44,11 @@ class LlamaForward(nn.Module):
         config = model.config
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        # a tensor-parallel rank computes its share of the heads (its projections' slices)
+        self.heads = heads // shards(model)
+        self.kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // shards(model)
         self.scale = self.head_dim ** -0.5
         self.layer_count = len(self.decoder.layers)
 
@@ -202,6 +205,9 @@ class TargetStep:
         self.model = model
         self.forward = make_forward(model, own)
         self.layer_count = model.config.num_hidden_layers
+        self.shards = shards(model)
+        if compile and self.shards > 1:
+            raise ValueError("compiled steps of a tensor-parallel target are not supported yet: use --no-compile")
         self.compile, self.widths = compile, widths
         self._compiled: nn.Module | None = None
         self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far

@@ -1,0 +1,85 @@
+"""A tensor-parallel target (two gloo processes on the CPU): decoding equals one process, token for token,
+and a dead or missing rank ends the job with one line."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def test_sharded_decoding_equals_one_process(tiny_dirs, tmp_path):
+    """AR, chains and trees under sd, fsd and fsd-hybrid, greedy and sampled, batched: the same tokens on both
+    ranks as without sharding; a row whose seed is left to chance draws alike on both ranks."""
+    done = subprocess.run([*TORCHRUN, free_port(), str(WORKER), tiny_dirs["target"], str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["shards"] == 2
+        assert rank["sharded"][:-1] == rank["alone"][:-1]
+    assert ranks[0]["sharded"] == ranks[1]["sharded"]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fuzzyspec", *args]
+
+
+def test_generate_under_torchrun_prints_once_and_equals_one_process(tiny_dirs):
+    args = ["generate", "Hello there", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"],
+            "--method", "fsd-hybrid", "--threshold", "0.3", "--max-new-tokens", "12", "--json"]
+    alone = subprocess.run(cli(*args), capture_output=True, text=True, timeout=300, env=ENV)
+    sharded = subprocess.run([*TORCHRUN, free_port(), "-m", "fuzzyspec", *args], capture_output=True, text=True,
+                             timeout=300, env=ENV)
+    assert alone.returncode == 0 and sharded.returncode == 0, sharded.stderr[-3000:]
+    lines = sharded.stdout.strip().splitlines()
+    assert len(lines) == 1  # rank 0 alone prints
+    assert json.loads(lines[0])["text"] == json.loads(alone.stdout)["text"]
+
+
+def ranks(port: str, world: int, args: list[str], die_at_step: int | None = None) -> list[subprocess.Popen]:
+    """``world`` ranks started by hand (as on separate machines); rank 1 may exit abruptly at a step."""
+    launched = []
+    for rank in range(world if die_at_step is not None else 1):
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(world), "FUZZYSPEC_TP_TIMEOUT_S": "4"}
+        code = "import sys, fuzzyspec.cli as cli\n"
+        if rank == 1:
+            code += ("import os\nfrom fuzzyspec.core.engine import Engine\nstep, n = Engine.step, [0]\n"
+                     "def dying(self):\n    n[0] += 1\n    if n[0] == %d: os._exit(3)\n    return step(self)\n"
+                     "Engine.step = dying\n" % die_at_step)
+        code += f"sys.exit(cli.main({args!r}))"
+        launched.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, env=env))
+    return launched
+
+
+@pytest.mark.parametrize("case", ["a rank dies", "a rank never comes"])
+def test_a_lost_rank_ends_the_job_with_one_line(tiny_dirs, case):
+    args = ["generate", "Hello there", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"],
+            "--method", "sd", "--max-new-tokens", "200"]
+    started = time.monotonic()
+    processes = ranks(free_port(), 2, args, die_at_step=3 if case == "a rank dies" else None)
+    rank0 = processes[0]
+    try:
+        _, stderr = rank0.communicate(timeout=120)
+    finally:
+        for process in processes:
+            process.kill()
+    assert time.monotonic() - started < 120
+    assert rank0.returncode == 1, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("fuzzyspec: error")]
+    assert len(errors) == 1 and ("rank" in errors[0]) and "Traceback" not in stderr, stderr[-2000:]
