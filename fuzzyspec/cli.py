@@ -348,8 +348,8 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
     from .core import parallel
 
     tp = parallel.launched()
-    if tp and args.command != "generate":
-        raise UsageError(f"under torchrun only `generate` shards the target so far; `{args.command}` does not "
+    if tp and args.command not in ("generate", "serve"):
+        raise UsageError(f"under torchrun only `generate` and `serve` shard the target; `{args.command}` does not "
                          "(bench spreads every row's examples over the ranks instead)")
     compile = _compiles(args, device, long_running)
     if compile:
@@ -642,7 +642,13 @@ def _serve(args: argparse.Namespace) -> None:
     config = ServeConfig(model_name=args.model_name or args.target or EMBEDDED, defaults=defaults,
                          max_batch=args.max_batch, max_queue=args.max_queue, request_timeout=args.request_timeout,
                          max_body_bytes=args.max_body_bytes, names=(("target", str(args.target)), ("draft", str(draft))))
-    app = create_app(Server(pair, config))
+    server = Server(pair, config)
+    from .core import parallel
+
+    if pair.step.shards > 1 and parallel.rank() != 0:  # rank 0 serves; this rank steps along with it
+        server.scheduler.follow()
+        return
+    app = create_app(server)
     print(f"fuzzyspec: serving {config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
 

@@ -238,10 +238,25 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
         # A truncated or corrupt file fails deep in a reader (struct.error from GGUF's): one line says so.
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise LoadError(f"could not load model {name!r} ({type(error).__name__}): {first_line}") from error
-    if device != "auto" and not tp:
+    if tp:
+        _check_shardable(model)
+    elif device != "auto":
         model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def _check_shardable(model: PreTrainedModel) -> None:
+    """Each rank of a tensor-parallel target takes whole attention heads: the counts must divide evenly."""
+    from .core.parallel import shards
+
+    config, ranks = model.config, shards(model)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if ranks == 1 or heads % ranks or kv_heads % ranks:
+        raise LoadError(f"cannot shard this target over {int(os.environ.get('WORLD_SIZE', '1'))} ranks: transformers' "
+                        f"plan gave {ranks} shard(s), and its {heads} attention heads ({kv_heads} key-value heads) must "
+                        "split evenly")
 
 
 def _load_int4(name: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -234,6 +234,12 @@ class Engine:
             self._verify(drafts)
         self.timer.flush()
         finished = [row for row in self.slots if row is not None and row.done]
+        if self.shards > 1:  # stop callbacks (stop strings, cancellations) run on rank 0 alone: its rows end everywhere
+            ended = set(agree(sorted(row.slot for row in finished)))
+            for row in self.rows:
+                if row.slot in ended and not row.done:
+                    row.finish_reason = "stop"
+            finished = [row for row in self.slots if row is not None and row.done]
         for row in finished:
             row.stats.new_tokens = row.generated
             row.stats.wall_s = time.perf_counter() - row.started

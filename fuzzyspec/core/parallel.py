@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
 TIMEOUT_S = float(os.environ.get("FUZZYSPEC_TP_TIMEOUT_S", "120"))  # longest wait in a collective
 
 
@@ -71,8 +73,9 @@ def active(model: torch.nn.Module) -> bool:
     return shards(model) > 1
 
 
-def agree(values: list[int]) -> list[int]:
-    """Rank 0's ``values`` on every rank (each rank passes a list of the same length)."""
+def agree(values: T) -> T:
+    """Rank 0's ``values`` on every rank (every rank calls it at the same point; what the others pass is
+    replaced)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
     box = [values]

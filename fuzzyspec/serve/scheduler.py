@@ -5,12 +5,19 @@ rows and admits waiting requests (up to ``max_batch`` rows), so a request joins 
 the next step instead of waiting for the batch to drain. Every request may use its own rule,
 threshold, sampling, length, tree shape and drafter. Requests talk to the thread through thread-safe
 events: text deltas as tokens are accepted, then one final result (or an error).
+
+With a tensor-parallel target, rank 0 serves and the other ranks follow (``Scheduler.follow``): before each
+thing the loop does to the engine (rows join, a step, a prompt scored, the batch reset) it tells them, and
+they do the same to theirs, so every rank runs the same steps (``core.parallel``).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
+import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -19,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..core import parallel
 from ..core.config import DecodeConfig
 from ..core.draft import Drafter
 from ..core.engine import Engine, Job, Row, admit
@@ -29,6 +37,7 @@ from ..text import TextStream
 
 
 log = logging.getLogger("fuzzyspec.scheduler")
+IDLE_TELL_S = 2.0  # how often an idle leader tells its followers it is alive (well inside parallel.TIMEOUT_S)
 
 
 class QueueFull(Exception):
@@ -106,6 +115,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._told = time.monotonic()  # when the followers last heard from this leader
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -118,6 +128,39 @@ class Scheduler:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        try:
+            self._tell("stop")
+        except parallel.ParallelError:  # the followers are gone already
+            pass
+
+    # -- tensor-parallel followers ---------------------------------------------------------------------
+    def _tell(self, command: str, payload: Any = None) -> None:
+        """Tell the other ranks of a sharded target what this rank (0) is about to do to its engine."""
+        if self.engine.shards > 1:
+            parallel.agree((command, payload))
+            self._told = time.monotonic()
+
+    def follow(self) -> None:
+        """On a rank other than 0: do to this rank's engine what rank 0 does to its own, until it stops."""
+        while True:
+            command, payload = parallel.agree((None, None))
+            if command == "stop":
+                return
+            try:
+                if command == "add":
+                    self.engine.add_many([Job(torch.tensor([ids]), config, self.make_drafter(config), None, logprobs)
+                                          for ids, config, logprobs in payload])
+                elif command == "step":
+                    self.engine.step()
+                elif command == "score":
+                    target_logits(self.engine.target, torch.tensor([payload], device=self.engine.device), 1,
+                                  self.engine.vocab_size)
+                elif command == "reset":
+                    self.engine = Engine(self.engine.step_fn, self.engine.vocab_size)
+            except parallel.ParallelError:
+                raise
+            except Exception as error:  # rank 0 met the same error: it fails those requests and tells us to reset
+                log.debug("a followed %s failed as on rank 0: %s", command, error)
 
     @property
     def alive(self) -> bool:
@@ -166,11 +209,14 @@ class Scheduler:
             if not self.running:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+                if time.monotonic() - self._told > IDLE_TELL_S:
+                    self._tell("idle")
                 continue
             try:
                 start = time.monotonic()
                 rows = [row for _, row, _ in self.running.values()]
                 before = sum(row.generated for row in rows)
+                self._tell("step")
                 finished = self.engine.step()
                 after = sum(row.generated for row in rows)
             except Exception as error:  # a failing step fails its requests, not the server
@@ -211,6 +257,8 @@ class Scheduler:
                 jobs.append(Job(request.input_ids, request.config, drafter,
                                 self._callback(request, stream, owner), request.logprobs))
                 taken.append((request, stream, owner))
+            if jobs:
+                self._tell("add", [(job.input_ids[0].tolist(), job.config, job.logprobs) for job in jobs])
             return jobs
 
         try:
@@ -227,6 +275,7 @@ class Scheduler:
     def _prompt_logprobs(self, request: Request) -> list:
         """The target's log-probabilities of the prompt's tokens after the first, with top alternatives."""
         ids = request.input_ids.to(self.engine.device)
+        self._tell("score", request.input_ids[0].tolist())
         log_p = log_probs(target_logits(self.engine.target, ids, 1, self.engine.vocab_size), request.config.sampling)
         return token_logprobs(log_p, ids[0, 1:].tolist(), request.logprobs or 0)
 
@@ -294,4 +343,10 @@ class Scheduler:
         else:
             with self._lock:
                 self.waiting.extendleft(reversed(waiting))
+        if isinstance(error, parallel.ParallelError):  # a lost rank: this server cannot go on
+            print(f"fuzzyspec: error (rank 0): {parallel.describe(error)}; the server stops", file=sys.stderr)
+            self._stopping.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down as on Ctrl-C
+            return
+        self._tell("reset")
         self.engine = Engine(self.engine.step_fn, self.engine.vocab_size)

@@ -83,3 +83,37 @@ def test_a_lost_rank_ends_the_job_with_one_line(tiny_dirs, case):
     assert rank0.returncode == 1, stderr[-2000:]
     errors = [line for line in stderr.splitlines() if line.startswith("fuzzyspec: error")]
     assert len(errors) == 1 and ("rank" in errors[0]) and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_a_sharded_server_answers_as_one_process_decodes(tiny_dirs):
+    """`fuzzyspec serve` under torchrun: rank 0 answers, rank 1 steps along; the answer is one process's text."""
+    import urllib.error
+    import urllib.request
+
+    common = ["--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"]]
+    alone = subprocess.run(cli("generate", "Hello there", *common, "--no-chat", "--method", "sd", "--temperature", "0",
+                               "--max-new-tokens", "12", "--json"), capture_output=True, text=True, timeout=300, env=ENV)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    port = free_port()
+    server = subprocess.Popen([*TORCHRUN, free_port(), "-m", "fuzzyspec", "serve", *common, "--port", port],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+                              start_new_session=True)
+    try:
+        body = json.dumps({"model": tiny_dirs["target"], "prompt": "Hello there", "max_tokens": 12, "temperature": 0,
+                           "method": "sd"}).encode()
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as reply:
+                    answer = json.loads(reply.read())
+                break
+            except urllib.error.URLError as error:  # not listening yet (an HTTP error is a failure)
+                assert not isinstance(error, urllib.error.HTTPError), error.read()
+                assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-3000:]
+                time.sleep(1)
+        assert answer["choices"][0]["text"] == json.loads(alone.stdout)["text"]
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
