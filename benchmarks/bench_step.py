@@ -108,8 +108,9 @@ def make_steps(pairs: dict[str, ModelPair], modes: list[str]) -> dict[tuple[str,
     for form, pair in pairs.items():
         for mode in modes:
             step = TargetStep(pair.target, compile=mode == "compiled")
-            step.profile_key = tuning.profile_key(None, form, "auto", "cpu", mode == "compiled")
-            step.profile = tuning.load(step.profile_key)
+            key = tuning.profile_key(None, form.removesuffix("-unfused"), "auto", "cpu", mode == "compiled")
+            step.profile = tuning.load(key)
+            step.profile_key = None if form.endswith("-unfused") else key  # the unfused form's costs are not kept
             steps[form, mode] = step
     return steps
 
@@ -215,12 +216,25 @@ def cli_runs(repeats: int) -> dict:
     return results
 
 
+def load_form(form: str) -> ModelPair:
+    """The embedded target in a weights form; ``int4-unfused``: int4 with q, k, v and gate, up as separate
+    products (as before ``int4.fuse_projections``), for the side-by-side."""
+    if form != "int4-unfused":
+        return ModelPair.load(draft=None, weights=form)
+    pair = ModelPair.load(draft=None, weights="int4")
+    for layer in pair.target.model.layers:
+        del layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    pair.step = TargetStep(pair.target)
+    return pair
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--forms", default="int4,fp32", help="weights forms: int4, fp32, bf16")
+    parser.add_argument("--forms", default="int4,fp32",
+                        help="weights forms: int4, fp32, bf16, and int4-unfused (int4 without fused projections)")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"decoding rows, of: {', '.join(ROWS)}")
     parser.add_argument("--curve", default="1,2,3,4,5,6,8,12,17,24,32", help="widths of the cost curve ('' : none)")
@@ -238,7 +252,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--rows: unknown {', '.join(map(repr, unknown))}; rows are {', '.join(ROWS)}")
     forms = [f for f in args.forms.split(",") if f]
-    pairs = {form: ModelPair.load(draft=None, weights=form) for form in forms}
+    pairs = {form: load_form(form) for form in forms}
     report = {"machine": tuning.machine(), "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "dtype": {f: str(p.target.dtype) for f, p in pairs.items()}}
     print(f"fuzzyspec bench_step: {report['machine']}; forms {', '.join(forms)}; {args.prompts} everyday prompts x "

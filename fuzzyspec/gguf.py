@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core.int4 import GROUP, Int4Linear, Int8Linear
+from .core.int4 import GROUP, Int4Linear, Int8Linear, fuse_projections
 
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
 FOUR_BIT = {"Q4_0": 2, "Q4_1": 4}  # where a block's codes start
@@ -263,6 +263,7 @@ def load_int4(path: str | Path, packed_cache: Path | None = None,
     else:
         model.lm_head.weight = weight
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta
+    fuse_projections(model)
     left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
     if left:
         raise ValueError(f"{path}: no weights for {', '.join(left[:3])}")

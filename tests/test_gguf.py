@@ -66,11 +66,17 @@ def test_the_embedded_target_holds_its_own_4bit_weights():
     for i, layer in enumerate(model.model.layers):
         for name, module in layer.named_modules():
             assert not isinstance(module, torch.nn.Linear), f"a float linear is left in layer {i}: {name}"
-            if isinstance(module, int4.Int4Linear):
+            if isinstance(module, int4.Int4Linear) and name not in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
                 linears += 1
                 expected = reference[f"model.layers.{i}.{name}.weight"]
                 torch.testing.assert_close(module.weight(), expected, rtol=0, atol=2 ** -7 * expected.abs().max().item())
     assert linears == 7 * model.config.num_hidden_layers
+    # q, k and v (and gate and up) also run as one product, over the same codes (no second copy)
+    attention, mlp = model.model.layers[3].self_attn, model.model.layers[3].mlp
+    assert attention.k_proj.packed.untyped_storage().data_ptr() == attention.qkv_proj.packed.untyped_storage().data_ptr()
+    x = torch.randn(3, model.config.hidden_size)
+    assert torch.equal(attention.qkv_proj(x), torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], -1))
+    assert torch.equal(mlp.gate_up_proj(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
     assert torch.equal(model.model.embed_tokens.weight, reference["model.embed_tokens.weight"])
     assert torch.equal(model.model.norm.weight, reference["model.norm.weight"])
     # the tied Q8_0 head is read at its own 8-bit codes, its float rows being the embedding's

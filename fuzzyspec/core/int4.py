@@ -54,17 +54,51 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_offsets)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def weight(self) -> Tensor:
-        """The float32 weight [N, K] the kernel multiplies by (for checks: a float copy of the weight)."""
+    def codes(self) -> Tensor:
+        """The 4-bit codes [N, K] (int32), read back through the kernel itself."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
         unit = torch.zeros_like(self.scales_and_offsets)
         unit[..., 0], unit[..., 1] = 1.0, 8.0  # (q - 8) * 1 + 8 = q, exact in bfloat16
-        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, unit).T.float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, unit).T.round().to(torch.int32)
+
+    def weight(self) -> Tensor:
+        """The float32 weight [N, K] the kernel multiplies by (for checks: a float copy of the weight)."""
         scales, offsets = (self.scales_and_offsets[..., i].float().T.repeat_interleave(GROUP, 1) for i in (0, 1))
-        return (codes - 8) * scales + offsets
+        return (self.codes().float() - 8) * scales + offsets
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+
+
+def fuse(linears: list[Int4Linear]) -> Int4Linear:
+    """One layer computing every one of ``linears`` (same inputs) at once, their outputs side by side: one kernel
+    call where there were several (q, k and v; gate and up), which saves the per-call cost of each.
+
+    The layers keep working alone (transformers' own forward calls them). Where this CPU's packing lays out
+    blocks of output rows that the layers' sizes respect (a probe packs random codes of these sizes both ways),
+    the fused codes are the layers' packed bytes one after another, and each layer's ``packed`` becomes a view
+    into the fused one: no second copy of the codes. Otherwise the codes are read back and packed anew."""
+    scales = torch.cat([linear.scales_and_offsets for linear in linears], 1)
+    probe = [torch.randint(0, 16, (linear.out_features, linear.in_features), dtype=torch.int32) for linear in linears]
+    if not torch.equal(pack(torch.cat(probe)), torch.cat([pack(codes) for codes in probe])):
+        return Int4Linear(pack(torch.cat([linear.codes() for linear in linears])), scales)
+    fused = Int4Linear(torch.cat([linear.packed for linear in linears]), scales)
+    start = 0
+    for linear in linears:
+        linear.packed = fused.packed[start: start + linear.out_features]
+        start += linear.out_features
+    return fused
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Give every decoder layer of a Llama-family ``model`` whose q, k and v (gate and up) are all int4 one fused
+    layer for them, ``self_attn.qkv_proj`` (``mlp.gate_up_proj``), which our step (``core.step``) calls instead."""
+    for layer in model.get_decoder().layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        if all(isinstance(m, Int4Linear) for m in (attention.q_proj, attention.k_proj, attention.v_proj)):
+            attention.qkv_proj = fuse([attention.q_proj, attention.k_proj, attention.v_proj])
+        if all(isinstance(m, Int4Linear) for m in (mlp.gate_proj, mlp.up_proj)):
+            mlp.gate_up_proj = fuse([mlp.gate_proj, mlp.up_proj])
 
 
 class Int8Linear(nn.Module):

@@ -51,6 +51,10 @@ class LlamaForward(nn.Module):
         self.kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // shards(model)
         self.scale = self.head_dim ** -0.5
         self.layer_count = len(self.decoder.layers)
+        # fused projections where the loader made them (``int4.fuse``): one product for q, k and v, one for gate/up
+        self.qkv = [getattr(layer.self_attn, "qkv_proj", None) for layer in self.decoder.layers]
+        self.gate_up = [getattr(layer.mlp, "gate_up_proj", None) for layer in self.decoder.layers]
+        self.qkv_widths = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -88,9 +92,13 @@ class LlamaForward(nn.Module):
                 found[i] = h
             attention = layer.self_attn
             x = self._norm(layer.input_layernorm, h)
-            q = self._rotate(attention.q_proj(x).view(rows, width, self.heads, self.head_dim), cos, sin)
-            k = self._rotate(attention.k_proj(x).view(rows, width, self.kv_heads, self.head_dim), cos, sin)
-            v = attention.v_proj(x).view(rows, width, self.kv_heads, self.head_dim)
+            if self.qkv[i] is not None:
+                q, k, v = self.qkv[i](x).split(self.qkv_widths, -1)
+            else:
+                q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+            q = self._rotate(q.view(rows, width, self.heads, self.head_dim), cos, sin)
+            k = self._rotate(k.view(rows, width, self.kv_heads, self.head_dim), cos, sin)
+            v = v.view(rows, width, self.kv_heads, self.head_dim)
             # [B, k, kv_heads, D] is the layout the advanced indices (first) give: no transpose to write.
             cache.keys[i][where, :, write] = k
             cache.values[i][where, :, write] = v
@@ -105,7 +113,11 @@ class LlamaForward(nn.Module):
             h = h + attention.o_proj(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
             mlp = layer.mlp
             x = self._norm(layer.post_attention_layernorm, h)
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            if self.gate_up[i] is not None:
+                gate, up = self.gate_up[i](x).chunk(2, -1)
+            else:
+                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            h = h + mlp.down_proj(F.silu(gate) * up)
         h = self._norm(self.decoder.norm, h)
         if self.layer_count in features:
             found[self.layer_count] = h

@@ -58,21 +58,36 @@ def test_an_8_bit_layer_is_its_codes_times_its_scales_and_its_rows_keep_them():
     torch.testing.assert_close(rows(x), layer(x)[:, index], rtol=0, atol=1e-5)
 
 
-def int4_model(seed: int) -> torch.nn.Module:
+def int4_model(seed: int, fused: bool = False) -> torch.nn.Module:
     model = tiny_llama(seed=seed)
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
                     setattr(parent, name, quantize(child.weight.data))
+    if fused:
+        int4.fuse_projections(model)
     return model
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile):
-    """sd reproduces the int4 target exactly: the engine's own forward (eager or compiled) gives the greedy text
-    of transformers' generate on the same int4 model."""
-    model = int4_model(seed=0)
+def test_fused_projections_compute_each_layers_outputs_side_by_side():
+    model = int4_model(seed=1, fused=True)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(4, 32)
+    assert torch.equal(attention.qkv_proj(x), torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], -1))
+    assert torch.equal(mlp.gate_up_proj(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
+    # where the sizes respect the packing's row blocks (gate and up: 64 rows each), the separate layers read the
+    # fused codes: one copy in memory; k and v (16 rows each here) do not, and are packed anew
+    assert mlp.up_proj.packed.untyped_storage().data_ptr() == mlp.gate_up_proj.packed.untyped_storage().data_ptr()
+    assert torch.equal(mlp.up_proj(x), mlp.gate_up_proj(x)[:, 64:])
+    assert torch.equal(attention.v_proj(x), attention.qkv_proj(x)[:, 48:])
+
+
+@pytest.mark.parametrize("compile,fused", [(False, False), (False, True), (True, True)])
+def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fused):
+    """sd reproduces the int4 target exactly: the engine's own forward (eager or compiled, with the projections
+    fused or not) gives the greedy text of transformers' generate on the same int4 model."""
+    model = int4_model(seed=0, fused=fused)
     prompt = torch.tensor([[1, 5, 9, 3, 7, 2]])
     expected = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, 6:].tolist()
     step = TargetStep(model, compile=compile)
