@@ -648,6 +648,8 @@ def _serve(args: argparse.Namespace) -> None:
     if pair.step.shards > 1 and parallel.rank() != 0:  # rank 0 serves; this rank steps along with it
         server.scheduler.follow()
         return
+    if pair.step.compile:
+        server.warm_up()
     app = create_app(server)
     print(f"fuzzyspec: serving {config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)

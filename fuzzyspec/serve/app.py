@@ -66,6 +66,12 @@ class Server:
         self.context = getattr(pair.target.config, "max_position_embeddings", None) or math.inf
         self.created = int(time.time())
 
+    def warm_up(self) -> None:
+        """Compile the target's steps for one request of the server's defaults before the first client waits
+        for it (a compilation takes about a minute on a small CPU; shapes for larger batches compile as they
+        first occur)."""
+        self.pair.generate("Hello", config=self.pair.config(**{**self.config.defaults, "max_new_tokens": 8}))
+
     async def _threshold(self, body: Options, config: DecodeConfig) -> DecodeConfig:
         """Resolve ``target_acceptance`` into a threshold (calibrated once per setting, off the event loop)."""
         if body.target_acceptance is None:

@@ -13,6 +13,7 @@ from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.core.kvcache import crop_to
 from fuzzyspec.core.rules import RULES
 from fuzzyspec.core.sampling import Sampling
+from fuzzyspec.core.step import TargetStep
 from stats_util import chi_square_p_value
 
 V = 32
@@ -51,11 +52,12 @@ def test_greedy_ar_is_the_targets_greedy_output(target, prompt):
     assert stats.target_forwards == 30 and stats.mean_accepted == 1.0 and stats.proposed == 0
 
 
-@pytest.mark.parametrize("greedy_drafts", [False, True])
-def test_sampled_sd_has_the_targets_distribution(greedy_drafts):
+@pytest.mark.parametrize("greedy_drafts,compiled", [(False, False), (True, False), (False, True)])
+def test_sampled_sd_has_the_targets_distribution(greedy_drafts, compiled):
     """Two sampled tokens per run, 1,500 runs: the joint distribution of (t1, t2) must be
     the target's own p(t1) p(t2 | t1) (chi-square), although the draft differs; also when the
-    draft proposes its argmax while the target samples (the reference code's drafting)."""
+    draft proposes its argmax while the target samples (the reference code's drafting), and through
+    compiled target steps (padded to the compiled widths)."""
     target = tiny_llama(vocab_size=6, seed=3)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.1)  # flatter distributions: every cell gets counts
@@ -70,9 +72,10 @@ def test_sampled_sd_has_the_targets_distribution(greedy_drafts):
     config = DecodeConfig(method="sd", gamma=3, max_new_tokens=2, sampling=Sampling(temperature=1.0),
                           greedy_drafts=greedy_drafts)
     drafter = ModelDrafter(draft, 6)
+    step = TargetStep(target, compile=compiled, widths=(1, 6))
     accepted = 0
     for seed in range(1500):
-        tokens, stats = decode(target, drafter, prompt, DecodeConfig(**{**config.__dict__, "seed": seed}), 6)
+        tokens, stats = decode(step, drafter, prompt, DecodeConfig(**{**config.__dict__, "seed": seed}), 6)
         counts[tokens[0, 0], tokens[0, 1]] += 1
         accepted += stats.accepted
     assert 100 < accepted < 1400  # the draft is neither always right nor always wrong

@@ -368,3 +368,17 @@ def test_a_model_can_be_read_by_id(server):
     assert httpx.get(server.url + "/v1/models/tiny").json()["id"] == "tiny"
     missing = httpx.get(server.url + "/v1/models/gpt-9")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_compiled_server_compiles_before_its_first_request(tiny_dirs):
+    """`serve --compile` warms up: the shapes of a default request are compiled before a client waits."""
+    from fuzzyspec.serve.app import ServeConfig, Server
+
+    pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], "float32", compile=True)
+    pair.step.widths = (1, 8)
+    compiled: list[tuple[int, int]] = []
+    pair.step.on_compile = lambda rows, width: compiled.append((rows, width))
+    server = Server(pair, ServeConfig(model_name="tiny", defaults={"temperature": 0.0, "method": "sd", "gamma": 4,
+                                                                   "gamma_schedule": "constant"}))
+    server.warm_up()
+    assert (1, 8) in compiled  # a verification of 4 drafts, padded to width 8
