@@ -698,6 +698,8 @@ def _tune(args: argparse.Namespace) -> None:
         report["profiles"]["compiled" if compiled else "eager"] = {
             "key": key, "target_ms": times, "compile_s": compile_s, "draft_ms": step.profile.draft,
             "choices": tuning.choices(step.profile, options)}
+    if loaded.profile_key.split("|")[1] == "int4" and args.weights == "auto" and "eager" in report["profiles"]:
+        report["weights"] = _compare_weights(args, device, report["profiles"]["eager"]["target_ms"])
     if len(report["profiles"]) == 2:
         eager, compiled = (report["profiles"][mode]["target_ms"][1] for mode in ("eager", "compiled"))
         report["compile_pays"] = compiled < 0.9 * eager
@@ -719,9 +721,32 @@ def _tune(args: argparse.Namespace) -> None:
             unit = "depth" if key.endswith(":tree") else "drafts"
             print(f"  {key}: {unit} chosen at first-draft acceptance " +
                   ", ".join(f"{rate:g} -> {size}" for rate, size in picked.items()))
+    if "weights" in report:
+        ms = report["weights"]["step_ms"]
+        print("\nweights: one step " + ", ".join(f"{form} {value:.1f} ms" for form, value in ms.items()) +
+              f": --weights auto holds {report['weights']['fastest']}")
     if "compile_pays" in report:
         print(f"\ncompiled steps {'pay' if report['compile_pays'] else 'do not pay'} here: serve and bench "
               f"{'compile' if report['compile_pays'] else 'stay eager'} by default")
+
+
+def _compare_weights(args: argparse.Namespace, device: str, int4_ms: dict[int, float]) -> dict:
+    """Time one eager step of the GGUF target dequantized to its float dtype beside the int4 step just measured,
+    and note the faster form, which ``--weights auto`` then holds on this machine."""
+    from . import tuning
+    from .core.step import TargetStep
+    from .loading import load_model, resolve_dtype
+
+    width = min(int4_ms)
+    dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")
+    form = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    tuning.progress_line(f"the same target in {dtype}, to compare")
+    model, _ = load_model(args.target, dtype, device, weights=form)
+    float_ms, _ = tuning.measure_target(TargetStep(model), (width,))
+    fastest = "int4" if int4_ms[width] <= float_ms[width] else form
+    tuning.note(tuning.weights_key(args.target, device), fastest_weights=fastest, int4_ms=int4_ms[width],
+                float_ms=float_ms[width])
+    return {"step_ms": {"int4": int4_ms[width], dtype: float_ms[width]}, "fastest": fastest}
 
 
 COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "serve": _serve, "train": _train,

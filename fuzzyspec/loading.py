@@ -152,8 +152,8 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
     """``int4`` or a float dtype: what ``weights`` asks for a target, checked before it loads.
 
     ``auto`` holds a GGUF target at its own 4-bit bytes where the CPU int4 kernel runs them (on the CPU,
-    unless ``--dtype`` names a float type, for a llama GGUF with Q4_0/Q4_1 weights), and otherwise follows
-    ``--dtype``."""
+    unless ``--dtype`` names a float type, for a llama GGUF with Q4_0/Q4_1 weights) and ``fuzzyspec tune``
+    has not measured a float form faster on this machine, and otherwise follows ``--dtype``."""
     from .core import int4
 
     if weights not in WEIGHTS:
@@ -173,7 +173,12 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
             raise LoadError(f"--weights int4 keeps float32 activations around its 4-bit products; --dtype {dtype} "
                             "does not apply")
         return "int4"
-    return "int4" if gguf and runs_int4 and dtype == "auto" and _has_int4_linears(name) else dtype
+    if not (gguf and runs_int4 and dtype == "auto" and _has_int4_linears(name)):
+        return dtype
+    from . import tuning
+
+    measured = tuning.facts(tuning.weights_key(name, device)).get("fastest_weights")
+    return FLOAT_WEIGHTS.get(measured, "int4")
 
 
 def _has_int4_linears(name: str | None) -> bool:

@@ -44,6 +44,12 @@ def profile_key(target: str | None, weights: str, dtype: str, device: str, compi
                      f"torch={torch.__version__}", "compiled" if compiled else "eager"])
 
 
+def weights_key(target: str | None, device: str) -> str:
+    """Where ``fuzzyspec tune`` notes which weights form runs a GGUF target's step fastest on this machine."""
+    return "|".join([str(target or EMBEDDED), "weights", device, cpu_isa(), f"threads={torch.get_num_threads()}",
+                     f"torch={torch.__version__}"])
+
+
 def profile_path() -> Path:
     return cache_dir() / "profiles.json"
 

@@ -72,3 +72,21 @@ def test_the_weights_form_is_decided_before_loading(tmp_path):
     unreadable = tmp_path / "broken.gguf"
     unreadable.write_bytes(b"GGUF\x03")  # loading it, not choosing its form, says what is wrong
     assert weight_form(str(unreadable)) == ("int4" if int4.available() else "auto")
+
+
+def test_auto_weights_follow_what_tune_measured_faster(tmp_path, monkeypatch):
+    """Where `fuzzyspec tune` measured the dequantized float step faster than the int4 one on this machine,
+    --weights auto holds floats; with no measurement, or int4 measured faster, it holds int4."""
+    from fuzzyspec import tuning
+    from fuzzyspec.core import int4
+    from fuzzyspec.loading import weight_form
+
+    if not int4.available():
+        pytest.skip("this torch build has no CPU int4 kernel")
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    assert weight_form(None) == "int4"
+    tuning.note(tuning.weights_key(None, "cpu"), fastest_weights="fp32", int4_ms=40.0, float_ms=30.0)
+    assert weight_form(None) == "float32" and weight_form(None, "int4") == "int4"  # asked for, int4 it is
+    assert tuning.profile_key(None, "auto", "auto", "cpu", False).split("|")[1] == "torch.float32"
+    tuning.note(tuning.weights_key(None, "cpu"), fastest_weights="int4")
+    assert weight_form(None) == "int4"
