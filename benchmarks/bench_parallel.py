@@ -87,6 +87,7 @@ def main() -> None:
             measured[name]["seconds"] += time.perf_counter() - clock
             measured[name]["tokens"] += tokens.shape[1]
             measured[name]["passes"] += stats.target_forwards
+    drafting = drafting_costs(target, draft, vocab, prompts[0]) if world > 1 else None
     if int(os.environ.get("RANK", "0")) != 0:
         return
     result = {"processes": world, "device": args.device, "hardware": hardware(args.device),
@@ -101,7 +102,39 @@ def main() -> None:
             base = against["rows"][name]["tokens_per_s"]
             ratio = f"  {row['tokens_per_s'] / base:.2f}x the {against['processes']}-process run ({base:.1f} tok/s)"
         print(f"  {name:20s} {row['tokens_per_s']:7.1f} tok/s  {row['tokens'] / row['passes']:.2f} tok/pass{ratio}")
+    if drafting is not None:
+        result["drafting_ms"] = drafting
+        print(f"  drafting 4 tokens on every rank: {drafting['propose']:.1f} ms; sending rank 0's draft to the "
+              f"others instead: {drafting['broadcast']:.1f} ms (its tokens and distributions, "
+              f"{drafting['bytes'] / 1e6:.1f} MB)")
     Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def drafting_costs(target, draft, vocab: int, prompt: torch.Tensor, repeats: int = 10) -> dict:
+    """The two ways ranks can share drafts: each drafts for itself (what the engine does; the ranks draft at
+    the same time, so it costs one proposal's time), or rank 0 drafts and broadcasts the draft (the tokens and
+    the draft distributions the rules read), which the others wait for: one proposal's time and the broadcast.
+    Measured as in decoding: the prompt already in the drafter's cache."""
+    from fuzzyspec.core.draft import Budget
+    from fuzzyspec.core.sampling import Sampling
+
+    drafter = ModelDrafter(draft, vocab)
+    sequence = prompt.to(target.device)
+    drafter.propose(sequence, Budget(4), Sampling(), None)  # the prompt is in its cache: each proposal feeds one token
+    propose, broadcast, size = [], [], 0
+    for _ in range(repeats):
+        dist.barrier()
+        clock = time.perf_counter()
+        proposal = drafter.propose(sequence, Budget(4), Sampling(), None)
+        propose.append(time.perf_counter() - clock)
+        payload = [(proposal.tokens, proposal.q, proposal.logits)]
+        size = sum(t.numel() * t.element_size() for t in payload[0])
+        dist.barrier()
+        clock = time.perf_counter()
+        dist.broadcast_object_list(payload, src=0)
+        broadcast.append(time.perf_counter() - clock)
+    return {"propose": 1000 * sorted(propose)[len(propose) // 2], "broadcast": 1000 * sorted(broadcast)[len(broadcast) // 2],
+            "bytes": size}
 
 
 if __name__ == "__main__":
