@@ -306,8 +306,9 @@ def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=512, help="prompts per output file (default: 512)")
     parser.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--worker", default="0/1",
-                        help="i/n: this process answers shards s with s %% n == i, so n processes share the work")
+    parser.add_argument("--worker", default=None, metavar="I/N",
+                        help="this process answers shards s with s %% n == i, so n processes share the work "
+                             "(default: torchrun's RANK/WORLD_SIZE, else 0/1)")
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -491,8 +492,8 @@ def _calibrate(args: argparse.Namespace) -> None:
               flush=True)
 
 
-def _bench_worker(args: argparse.Namespace) -> tuple[int, int]:
-    """This process's share of a sweep, (i, n): --worker, else torchrun's RANK and WORLD_SIZE, else all of it."""
+def _worker(args: argparse.Namespace) -> tuple[int, int]:
+    """This process's share of the work (a sweep, answers to write), (i, n): --worker, else torchrun's RANK and WORLD_SIZE, else all of it."""
     if args.worker is not None:
         text, name = args.worker, "--worker"
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -522,7 +523,7 @@ def _bench(args: argparse.Namespace) -> None:
         sweep = Sweep.from_folder(out)
         _print_rows(sweep.merge(), sweep.task.metric, out)
         return
-    worker = _bench_worker(args)
+    worker = _worker(args)
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.methods is not None:
@@ -601,10 +602,7 @@ def _answers(args: argparse.Namespace) -> None:
     from .loading import load_model
     from .train.selfdistill import AnswerSettings, encode_prompts, generate_answers, training_prompts
 
-    try:
-        index, count = (int(part) for part in args.worker.split("/"))
-    except ValueError:
-        raise UsageError(f"--worker must be i/n, got {args.worker!r}") from None
+    index, count = _worker(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     settings = AnswerSettings(tuple(args.temperatures), args.max_new_tokens, args.max_prompt_tokens,

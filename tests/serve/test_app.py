@@ -375,7 +375,7 @@ def test_a_compiled_server_compiles_before_its_first_request(tiny_dirs):
     from fuzzyspec.serve.app import ServeConfig, Server
 
     pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], "float32", compile=True)
-    pair.step.widths = (1, 8)
+    pair.step.widths = (8,)  # one compiled shape: every step pads to 8 tokens
     compiled: list[tuple[int, int]] = []
     pair.step.on_compile = lambda rows, width: compiled.append((rows, width))
     server = Server(pair, ServeConfig(model_name="tiny", defaults={"temperature": 0.0, "method": "sd", "gamma": 4,
