@@ -210,7 +210,10 @@ class Scheduler:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 if time.monotonic() - self._told > IDLE_TELL_S:
-                    self._tell("idle")
+                    try:
+                        self._tell("idle")
+                    except parallel.ParallelError as error:
+                        self._fail_all(error)
                 continue
             try:
                 start = time.monotonic()
@@ -266,6 +269,8 @@ class Scheduler:
         except Exception as error:  # a join that fails fails its requests, not the batch
             for request, _, _ in taken:
                 self._error(request, error)
+            if isinstance(error, parallel.ParallelError):
+                self._fail_all(error)
             return
         for (_, row), (request, stream, owner) in zip(joined, taken):
             owner.append(row)
@@ -348,5 +353,6 @@ class Scheduler:
             self._stopping.set()
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down as on Ctrl-C
             return
-        self._tell("reset")
+        if not isinstance(error, Unavailable):  # shutting down, the followers are told to stop instead
+            self._tell("reset")
         self.engine = Engine(self.engine.step_fn, self.engine.vocab_size)
