@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 
-def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+def upload(values: list | Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
     """Host data (a list, or a CPU tensor) as a tensor on ``device``, copied without waiting for the device:
     staged in pinned memory, which an asynchronous copy needs to stay asynchronous."""
     tensor = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)

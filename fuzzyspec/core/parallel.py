@@ -4,9 +4,10 @@ transformers shards the target with its own tensor-parallel plan (``tp_plan="aut
 layer keeps a slice of its weights and the plan's hooks all-reduce or all-gather between layers, so the
 logits and hidden states every rank sees are the same. Drafters are small and run replicated on every
 rank. For the ranks to stay in lockstep, every decision must come out the same everywhere: the rules
-and drafts follow from the same numbers, and the two host-side choices that do not (a seed drawn from
-the clock, and draft sizes planned from each rank's own timings) are taken on rank 0 and broadcast
-(``agree``). Rank 0 alone prints, streams and serves.
+and drafts follow from the same numbers, and the host-side choices that do not (a seed left to chance,
+draft sizes planned from each rank's own timings, rows that a stop callback on rank 0 ends) are rank 0's,
+broadcast (``agree``). Rank 0 alone prints, streams and serves; a sharded server's other ranks follow what
+rank 0 does to its batch (``serve.scheduler``).
 
 A rank that dies makes its peers' next collective fail, and a peer that hangs makes them fail after
 ``TIMEOUT_S``: either way every rank ends with one line (``ParallelError``), never a hang.
@@ -37,10 +38,6 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def is_main() -> bool:
-    return rank() == 0
-
-
 def local_device(device: str) -> str:
     """This rank's device: its own GPU (``LOCAL_RANK``) on CUDA, the CPU otherwise."""
     if device.startswith("cuda"):
@@ -67,10 +64,6 @@ def shards(model: torch.nn.Module) -> int:
 
     weight = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
     return weight.device_mesh.size() if weight is not None else 1
-
-
-def active(model: torch.nn.Module) -> bool:
-    return shards(model) > 1
 
 
 def agree(values: T) -> T:
