@@ -39,7 +39,6 @@ def test_greedy_walk_follows_the_targets_argmax():
     p = torch.full((6, V), 0.01)
     p[0, 2] = p[1, 3] = p[5, 5] = 1.0  # root wants 2 (node 0), node 0 wants 3 (node 4), node 4 wants 5
     p = p / p.sum(-1, keepdim=True)
-    q = torch.ones(6, V) / V
     assert walk("sd", TREE, p, None, 0.0, True) == ([0, 4], 5)
     p[0] = torch.tensor([0.1, 0.1, 0.1, 0.5, 0.1, 0.1])  # the root wants 3: not drafted
     assert walk("sd", TREE, p, None, 0.0, True) == ([], 3)

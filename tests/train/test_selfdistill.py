@@ -6,7 +6,6 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
-from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.train.selfdistill import AnswerSettings, generate_answers, load_answers, training_prompts
 
 V = 32
