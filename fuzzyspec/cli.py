@@ -650,7 +650,12 @@ def _serve(args: argparse.Namespace) -> None:
         server.warm_up()
     app = create_app(server)
     print(f"fuzzyspec: serving {config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                         access_log=args.access_log))
+    server.scheduler.on_failure = lambda: setattr(http, "should_exit", True)
+    http.run()
+    if server.scheduler.failure is not None:  # a rank of a sharded target was lost: the server stopped
+        raise server.scheduler.failure
 
 
 def _lm_eval(args: argparse.Namespace) -> None:

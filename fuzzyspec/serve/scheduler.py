@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
-import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -116,6 +113,8 @@ class Scheduler:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._told = time.monotonic()  # when the followers last heard from this leader
+        self.failure: parallel.ParallelError | None = None  # why a sharded server stopped by itself
+        self.on_failure: Callable[[], None] | None = None  # told then (the command shuts its HTTP server down)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,8 +222,11 @@ class Scheduler:
                 finished = self.engine.step()
                 after = sum(row.generated for row in rows)
             except Exception as error:  # a failing step fails its requests, not the server
-                log.error("a decoding step failed; failing the %d requests in the batch", len(self.running),
-                          exc_info=error)
+                if self.engine.shards > 1 and isinstance(error, torch.distributed.DistError):
+                    error = parallel.ParallelError(parallel.describe(error))  # a peer's collective failed
+                if not isinstance(error, parallel.ParallelError):
+                    log.error("a decoding step failed; failing the %d requests in the batch", len(self.running),
+                              exc_info=error)
                 self._fail_all(error)
                 continue
             self.counters.steps += 1
@@ -349,9 +351,10 @@ class Scheduler:
             with self._lock:
                 self.waiting.extendleft(reversed(waiting))
         if isinstance(error, parallel.ParallelError):  # a lost rank: this server cannot go on
-            print(f"fuzzyspec: error (rank 0): {parallel.describe(error)}; the server stops", file=sys.stderr)
+            self.failure = error  # the command says so once the server is down
             self._stopping.set()
-            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down as on Ctrl-C
+            if self.on_failure is not None:
+                self.on_failure()
             return
         if not isinstance(error, Unavailable):  # shutting down, the followers are told to stop instead
             self._tell("reset")

@@ -117,3 +117,32 @@ def test_a_sharded_server_answers_as_one_process_decodes(tiny_dirs):
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
+
+
+def test_a_sharded_server_that_loses_a_rank_stops_with_one_line(tiny_dirs):
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    args = ["serve", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--port", port]
+    processes = ranks(free_port(), 2, args, die_at_step=3)
+    rank0 = processes[0]
+    try:
+        body = json.dumps({"model": tiny_dirs["target"], "prompt": "Hello", "max_tokens": 100}).encode()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and rank0.poll() is None:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                urllib.request.urlopen(request, timeout=60).read()
+            except urllib.error.HTTPError:
+                break  # the request failed with the step: the server stops next
+            except urllib.error.URLError:
+                time.sleep(1)  # not listening yet
+        _, stderr = rank0.communicate(timeout=60)
+    finally:
+        for process in processes:
+            process.kill()
+    assert rank0.returncode == 1, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("fuzzyspec: error")]
+    assert len(errors) == 1 and "rank 0" in errors[0] and "Traceback" not in stderr, stderr[-2000:]
