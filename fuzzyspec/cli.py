@@ -493,7 +493,8 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _worker(args: argparse.Namespace) -> tuple[int, int]:
-    """This process's share of the work (a sweep, answers to write), (i, n): --worker, else torchrun's RANK and WORLD_SIZE, else all of it."""
+    """This process's share of the work (a sweep, answers to write), (i, n): --worker, else torchrun's RANK
+    and WORLD_SIZE, else all of it."""
     if args.worker is not None:
         text, name = args.worker, "--worker"
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -738,11 +739,11 @@ def _compare_weights(args: argparse.Namespace, device: str, int4_ms: dict[int, f
     and note the faster form, which ``--weights auto`` then holds on this machine."""
     from . import tuning
     from .core.step import TargetStep
-    from .loading import load_model, resolve_dtype
+    from .loading import FLOAT_WEIGHTS, load_model, resolve_dtype
 
     width = min(int4_ms)
     dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")
-    form = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    form = next(name for name, float_dtype in FLOAT_WEIGHTS.items() if float_dtype == dtype)
     tuning.progress_line(f"the same target in {dtype}, to compare")
     model, _ = load_model(args.target, dtype, device, weights=form)
     float_ms, _ = tuning.measure_target(TargetStep(model), (width,))

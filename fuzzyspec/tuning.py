@@ -40,14 +40,17 @@ def profile_key(target: str | None, weights: str, dtype: str, device: str, compi
     decides the weights form (``int4`` or the torch dtype), so it is known before anything loads."""
     form = weight_form(target, weights, dtype, device)
     form = form if form == "int4" else str(resolve_dtype(form, device))
-    return "|".join([str(target or EMBEDDED), form, device, cpu_isa(), f"threads={torch.get_num_threads()}",
-                     f"torch={torch.__version__}", "compiled" if compiled else "eager"])
+    return "|".join([str(target or EMBEDDED), form, device, *_here(), "compiled" if compiled else "eager"])
 
 
 def weights_key(target: str | None, device: str) -> str:
     """Where ``fuzzyspec tune`` notes which weights form runs a GGUF target's step fastest on this machine."""
-    return "|".join([str(target or EMBEDDED), "weights", device, cpu_isa(), f"threads={torch.get_num_threads()}",
-                     f"torch={torch.__version__}"])
+    return "|".join([str(target or EMBEDDED), "weights", device, *_here()])
+
+
+def _here() -> tuple[str, ...]:
+    """What about this machine and process a measurement depends on: instruction sets, threads, torch."""
+    return cpu_isa(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}"
 
 
 def profile_path() -> Path:

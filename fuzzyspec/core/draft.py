@@ -41,11 +41,11 @@ class Draft:
     ``tokens`` [n]: target ids, on the drafter's device. ``parents`` [n]: -1 for a child of the root, else
     an earlier node (parents[i] < i); the tree's shape is host metadata, kept on the CPU (copied there if
     given on another device), so the engine reads it without waiting for the device. ``q`` [n + 1, N]:
-    row 0 is the draft distribution the root's children came from, row i + 1 node i's (zeros where a node was not expanded); None when every token was
-    chosen with certainty (a point mass on it: prompt lookup), which the rules use without
-    building it. ``logits`` [n + 1, N]: the raw logits behind q (None with q). ``vocab``: the
-    reduced draft vocabulary of q's N columns (None: N is the target's V). ``sampled``: children
-    were drawn from q (chains under sampling: SD's min(1, p/q) test applies); otherwise they were
+    row 0 is the draft distribution the root's children came from, row i + 1 node i's (zeros where a node
+    was not expanded); None when every token was chosen with certainty (a point mass on it: prompt
+    lookup), which the rules use without building it. ``logits`` [n + 1, N]: the raw logits behind q (None
+    with q). ``vocab``: the reduced draft vocabulary of q's N columns (None: N is the target's V).
+    ``sampled``: children were drawn from q (chains under sampling: SD's min(1, p/q) test applies); otherwise they were
     picked deterministically (argmax, top-k, lookup), which the rules treat as point masses.
     """
 

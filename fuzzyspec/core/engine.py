@@ -37,7 +37,7 @@ from .config import DecodeConfig
 from .cost import Acceptance, Option, plan
 from .draft import Draft, Drafter
 from .host import DeviceTimer, upload
-from .judge import Pending, Verdict, judge
+from .judge import Pending, Verdict, judge, next_token_only
 from .kvcache import StaticCache, attention_mask, write_positions
 from .parallel import agree
 from .sampling import Sampling, sample
@@ -344,7 +344,7 @@ class Engine:
             probs = sampling.probs(last[members])
             for j, i in enumerate(members):
                 tokens[i] = sample(probs[j], self.slots[slots[i]].generator)
-        return {b: Pending(tokens[i: i + 1], _no_drafts) for i, b in enumerate(slots)}
+        return {b: Pending(tokens[i: i + 1], next_token_only) for i, b in enumerate(slots)}
 
     def _emit(self, row: Row, new: list[int]) -> None:
         """Append a step's tokens to the row, stopping at EOS, the length limit or the callback."""
@@ -364,10 +364,6 @@ class Engine:
             row.finish_reason = "stop"
         elif row.remaining <= 0:
             row.finish_reason = "length"
-
-
-def _no_drafts(values: list[int]) -> Verdict:
-    return Verdict([], values[0], 0, None)
 
 
 def _finish(pending: dict[int, Pending]) -> dict[int, Verdict]:

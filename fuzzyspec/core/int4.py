@@ -12,6 +12,8 @@ so codes are packed when a model loads, never stored packed.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -79,8 +81,7 @@ def fuse(linears: list[Int4Linear]) -> Int4Linear:
     the fused codes are the layers' packed bytes one after another, and each layer's ``packed`` becomes a view
     into the fused one: no second copy of the codes. Otherwise the codes are read back and packed anew."""
     scales = torch.cat([linear.scales_and_offsets for linear in linears], 1)
-    probe = [torch.randint(0, 16, (linear.out_features, linear.in_features), dtype=torch.int32) for linear in linears]
-    if not torch.equal(pack(torch.cat(probe)), torch.cat([pack(codes) for codes in probe])):
+    if not _rows_pack_apart(tuple(linear.out_features for linear in linears), linears[0].in_features):
         return Int4Linear(pack(torch.cat([linear.codes() for linear in linears])), scales)
     fused = Int4Linear(torch.cat([linear.packed for linear in linears]), scales)
     start = 0
@@ -88,6 +89,14 @@ def fuse(linears: list[Int4Linear]) -> Int4Linear:
         linear.packed = fused.packed[start: start + linear.out_features]
         start += linear.out_features
     return fused
+
+
+@functools.cache
+def _rows_pack_apart(sizes: tuple[int, ...], in_features: int) -> bool:
+    """Whether layers of these output sizes, packed one after another, are packed as their rows together are
+    (a probe with random codes; asked once per shape, as every layer of a model repeats the same few)."""
+    probe = [torch.randint(0, 16, (size, in_features), dtype=torch.int32) for size in sizes]
+    return torch.equal(pack(torch.cat(probe)), torch.cat([pack(codes) for codes in probe]))
 
 
 def fuse_projections(model: nn.Module) -> None:

@@ -42,6 +42,11 @@ class Verdict:
         return [self.drafted[node] for node in self.path] + [self.token]
 
 
+def next_token_only(values: list[int]) -> Verdict:
+    """The verdict of a row that drafted nothing: the target's next token, read back as ``values[0]``."""
+    return Verdict([], values[0], 0, None)
+
+
 @dataclass
 class Pending:
     """A verdict whose last values are still on the device: ``values`` (a 1-D long tensor) is read with every
@@ -61,7 +66,7 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
     n = len(draft) if draft is not None else 0
     if n == 0:
         token = p[:1].argmax(-1) if sampling.greedy else sample(p[0], generator).view(1)
-        return Pending(token, lambda values: Verdict([], values[0], 0, None))
+        return Pending(token, next_token_only)
     d = None
     if draft.is_chain:
         if fuzzy:

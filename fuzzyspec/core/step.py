@@ -46,9 +46,9 @@ class LlamaForward(nn.Module):
         self.lm_head = model.get_output_embeddings()
         heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        # a tensor-parallel rank computes its share of the heads (its projections' slices)
-        self.heads = heads // shards(model)
-        self.kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // shards(model)
+        ranks = shards(model)  # a tensor-parallel rank computes its share of the heads (its projections' slices)
+        self.heads = heads // ranks
+        self.kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // ranks
         self.scale = self.head_dim ** -0.5
         self.layer_count = len(self.decoder.layers)
         # fused projections where the loader made them (``int4.fuse``): one product for q, k and v, one for gate/up

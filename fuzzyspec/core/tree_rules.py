@@ -53,15 +53,12 @@ def walk(rule: str, tree: Draft, p: Tensor, d: Any, threshold: float, greedy: bo
     row = 0
     while True:
         p_u, kids = p[row], children[row]
-        best = argmax[row] if argmax is not None else None
+        best = (argmax[row] if argmax is not None else int(p_u.argmax())) if greedy else None
         if not kids:
-            if greedy:
-                return path, best if best is not None else int(p_u.argmax())
-            return path, int(sample(p_u, generator))
+            return path, best if greedy else int(sample(p_u, generator))
         choice, residual = None, p_u
         if rule != "fsd":
             if greedy:
-                best = best if best is not None else int(p_u.argmax())
                 choice = next((kid for kid in kids if tokens[kid] == best), None)
             else:
                 residual = p_u.clone()
@@ -76,7 +73,7 @@ def walk(rule: str, tree: Draft, p: Tensor, d: Any, threshold: float, greedy: bo
             choice = max(kids, key=lambda kid: float(p_u[tokens[kid]]))
         if choice is None:
             if greedy:
-                return path, best if best is not None else int(p_u.argmax())
+                return path, best
             return path, int(sample(residual if residual.sum() > 0 else p_u, generator))
         path.append(choice)
         row = choice + 1
