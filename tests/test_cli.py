@@ -90,8 +90,11 @@ def test_json_output(capsys, tiny_dirs, method):
 
 
 def test_streams_text_and_reports_on_stderr(capsys, tiny_dirs):
+    # Constant draft sizes: under the cost schedule the sizes follow the costs measured so far (the first run
+    # of a fresh target measures from nothing), and a seeded sampled run's text follows its sizes.
     argv = ["generate", "hello", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"],
-            "--max-new-tokens", "10", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"]
+            "--max-new-tokens", "10", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3",
+            "--gamma-schedule", "constant"]
     assert main(argv) == 0
     first = capsys.readouterr()
     assert main(argv) == 0
