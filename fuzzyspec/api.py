@@ -72,7 +72,10 @@ class ModelPair:
         the same calls, and the drafter runs on each."""
         from . import tuning
 
-        key = tuning.profile_key(target, weights, dtype, device, compile)  # checks the options before loading
+        from .core import parallel
+
+        shards = parallel.world_size() if tp else 1
+        key = tuning.profile_key(target, weights, dtype, device, compile, shards)  # checks the options first
         target_model, tokenizer = load_model(target, dtype, device, weights, tp=tp)
         source = load_drafter(draft, target_model, tokenizer, target, dtype, device, weights) \
             if draft is not None else None
@@ -84,7 +87,10 @@ class ModelPair:
         """Keep what this pair's steps were measured to cost (done after each ``generate``)."""
         from . import tuning
 
-        if self.profile_key is not None and self.step.profile.updates:
+        from .core import parallel
+
+        # The ranks of a sharded target share rank 0's plans, so rank 0's measurements are the ones kept.
+        if self.profile_key is not None and self.step.profile.updates and parallel.rank() == 0:
             tuning.save(self.profile_key, self.step.profile)
 
     def with_drafter(self, name: str, target_name: str | None = None, dtype: str = "auto",

@@ -176,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--worker", default=None, metavar="I/N",
                        help="decode only the examples with index %% N == I of every row, into files of this "
                             "worker's own, so that N processes sharing --out split the sweep (default: 0/1, or "
-                            "RANK/WORLD_SIZE under torchrun)")
+                            "RANK/WORLD_SIZE under torchrun without --tp)")
+    bench.add_argument("--tp", action="store_true",
+                       help="under torchrun: shard the target over the ranks, which then decode as one worker "
+                            "(rank 0 writes --out); without it the ranks are workers, each with a whole target")
     _add_models(bench, draft=False)
     grid = bench.add_argument_group("sweep")
     grid.add_argument("--drafts", type=_names, default=None,
@@ -350,8 +353,8 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
 
     tp = parallel.launched()
     if tp and args.command not in ("generate", "serve"):
-        raise UsageError(f"under torchrun only `generate` and `serve` shard the target; `{args.command}` does not "
-                         "(bench spreads every row's examples over the ranks instead)")
+        raise UsageError(f"under torchrun only `generate`, `serve` and `bench --tp` shard the target; "
+                         f"`{args.command}` does not")
     compile = _compiles(args, device, long_running)
     if compile:
         _persist_compiled_code()
@@ -494,10 +497,10 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 def _worker(args: argparse.Namespace) -> tuple[int, int]:
     """This process's share of the work (a sweep, answers to write), (i, n): --worker, else torchrun's RANK
-    and WORLD_SIZE, else all of it."""
+    and WORLD_SIZE (unless its ranks share one sharded target, ``bench --tp``), else all of it."""
     if args.worker is not None:
         text, name = args.worker, "--worker"
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and not getattr(args, "tp", False):
         text, name = f"{os.environ['RANK']}/{os.environ['WORLD_SIZE']}", "RANK/WORLD_SIZE (torchrun's)"
     else:
         return 0, 1
@@ -524,6 +527,13 @@ def _bench(args: argparse.Namespace) -> None:
         sweep = Sweep.from_folder(out)
         _print_rows(sweep.merge(), sweep.task.metric, out)
         return
+    from .core import parallel
+
+    if args.tp and not parallel.launched():
+        raise UsageError("--tp shards the target over the ranks of a torchrun launch: run it under "
+                         "torchrun --nproc-per-node N (or without --tp)")
+    if args.tp and args.compile:
+        raise UsageError("compiled steps of a tensor-parallel target are not supported yet: use --no-compile")
     worker = _worker(args)
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
@@ -552,22 +562,26 @@ def _bench(args: argparse.Namespace) -> None:
     if task.runs_code and not getattr(task, "allowed", False):
         raise UsageError(CODE_REFUSAL)
     device = _device(args)
-    if device == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun's processes on one machine: a GPU each
+    if device == "cuda" and "LOCAL_RANK" in os.environ and not args.tp:  # torchrun's workers: a GPU each
         import torch
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     settings = Settings(task=args.task, data=args.data, limit=args.limit, target=args.target, dtype=args.dtype,
-                        device=device, weights=args.weights, compile=_compiles(args, device, long_running=True),
+                        device=device, weights=args.weights,
+                        compile=not args.tp and _compiles(args, device, long_running=True),
                         decoding=decoding,
                         calibration_prompts=args.calibration_prompts or CALIBRATION_PROMPTS)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".write-test").touch()
-        (out / ".write-test").unlink()
-    except OSError as error:
-        raise UsageError(f"--out {args.out}: cannot write there ({error.strerror or error})") from None
-    sweep = Sweep(settings, out, progress=not args.quiet, worker=worker)
-    _print_rows(sweep.run(specs), sweep.task.metric, out)
+    if not args.tp or parallel.rank() == 0:  # rank 0 alone writes a sharded target's sweep
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / ".write-test").touch()
+            (out / ".write-test").unlink()
+        except OSError as error:
+            raise UsageError(f"--out {args.out}: cannot write there ({error.strerror or error})") from None
+    sweep = Sweep(settings, out, progress=not args.quiet, worker=worker, sharded=args.tp)
+    rows = sweep.run(specs)
+    if sweep.leads:
+        _print_rows(rows, sweep.task.metric, out)
 
 
 def _print_rows(rows: list[dict], metric: str, out: Path) -> None:

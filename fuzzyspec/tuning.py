@@ -35,12 +35,15 @@ def machine(device: str = "cpu") -> str:
     return text
 
 
-def profile_key(target: str | None, weights: str, dtype: str, device: str, compiled: bool) -> str:
+def profile_key(target: str | None, weights: str, dtype: str, device: str, compiled: bool,
+                shards: int = 1) -> str:
     """Where the costs of a target loaded with these options are kept: decided from the options as loading
-    decides the weights form (``int4`` or the torch dtype), so it is known before anything loads."""
+    decides the weights form (``int4`` or the torch dtype), so it is known before anything loads. A target
+    sharded over ``shards`` tensor-parallel ranks has its own profile (its steps pay for collectives)."""
     form = weight_form(target, weights, dtype, device)
     form = form if form == "int4" else str(resolve_dtype(form, device))
-    return "|".join([str(target or EMBEDDED), form, device, *_here(), "compiled" if compiled else "eager"])
+    sharded = [f"tp={shards}"] if shards > 1 else []
+    return "|".join([str(target or EMBEDDED), form, device, *_here(), *sharded, "compiled" if compiled else "eager"])
 
 
 def weights_key(target: str | None, device: str) -> str:

@@ -179,6 +179,12 @@ def test_bench_bad_torchrun_ranks(capsys, tmp_path, monkeypatch):
                   "RANK/WORLD_SIZE (torchrun's) must be i/n with 0 <= i < n, got '2/2'")
 
 
+def test_bench_tp_needs_torchrun(capsys, tmp_path):
+    fails_cleanly(capsys, ["bench", "--task", "freeform", "--out", str(tmp_path), "--tp"],
+                  "--tp shards the target over the ranks of a torchrun launch: run it under torchrun "
+                  "--nproc-per-node N (or without --tp)")
+
+
 def test_bench_workers_from_torchrun_ranks_and_merge(capsys, tmp_path, tiny_dirs, monkeypatch):
     from fuzzyspec.eval.bench import Spec
 

@@ -29,9 +29,14 @@ class ParallelError(RuntimeError):
     """A rank failed or a collective timed out: the job ends on every rank."""
 
 
+def world_size() -> int:
+    """How many processes the launch started (1 outside ``torchrun``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def launched() -> bool:
     """Whether this process is one of several started by ``torchrun`` (or set up as such)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return world_size() > 1
 
 
 def rank() -> int:

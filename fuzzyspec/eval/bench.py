@@ -10,6 +10,10 @@ whose index % n == i in every row and appends only to files of its own (``genera
 ``greedy_reference.w<i>of<n>.jsonl``). Everything is read from every worker's files: an example any of them
 finished is done, a row is finished when all of its examples are, and its figures sum over all of them.
 
+Under ``torchrun`` with a sharded target (``Sweep(..., sharded=True)``, ``bench --tp``) the ranks are one
+worker: every rank loads its share of the target and makes the same decoding calls, while rank 0 alone reads
+and writes the folder and tells the others what it found there (rows, finished examples, thresholds).
+
 Speed is new tokens / seconds inside the decoding loop, summed over examples; scoring (running
 HumanEval tests, the target's NLL, agreement with its greedy output) happens outside the timed part.
 Every example is decoded with seed = sweep seed + its index, the same in every row.
@@ -26,12 +30,13 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
 from ..api import ModelPair, Result
+from ..core import parallel
 from ..core.config import DecodeConfig
 from ..loading import EMBEDDED
 from ..options import BY_NAME, FUZZY
@@ -42,6 +47,7 @@ from .tasks import Example, Task, get_task
 TREE_SUFFIX = "+tree"  # a drafter "eagle+tree" drafts EAGLE-2 trees with the head "eagle"
 COUNTERS = ("new_tokens", "target_forwards", "accepted", "proposed", "wall_s")
 SETTINGS_FILE = "sweep.json"  # what makes a folder a sweep folder
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -110,9 +116,9 @@ def plan(drafts: list[str], rules: list[str], divergences: list[str], thresholds
     return specs
 
 
-def hardware(device: str) -> str:
+def hardware(device: str, shards: int = 1) -> str:
     """A short description of what the numbers were measured on: the CPU (and its instruction sets), threads,
-    the GPU where one is used."""
+    the GPU where one is used, and the ranks a sharded target spans."""
     from ..tuning import machine
 
     cpu = platform.processor() or platform.machine()
@@ -121,7 +127,8 @@ def hardware(device: str) -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}; {machine(device)}"
+    text = f"{cpu}; {machine(device)}"
+    return text + (f"; target sharded over {shards} ranks" if shards > 1 else "")
 
 
 def _read_jsonl(path: Path) -> Iterator[dict]:
@@ -188,12 +195,15 @@ def _first_by_id(paths: list[Path]) -> dict[str, dict]:
 @dataclass
 class Sweep:
     """A sweep folder: its settings, the loaded models, and the rows run so far. ``worker`` (i, n): this
-    process decodes the examples whose index % n == i, so that every worker's timing covers every row."""
+    process decodes the examples whose index % n == i, so that every worker's timing covers every row.
+    ``sharded``: this process is one rank of a ``torchrun`` launch sharing a tensor-parallel target; the
+    launch's ranks together are one worker, and rank 0 alone touches the folder."""
 
     settings: Settings
     out: Path
     progress: bool = True
     worker: tuple[int, int] = (0, 1)
+    sharded: bool = False
     task: Task = field(init=False)
     examples: list[Example] = field(init=False)
     _pairs: dict[str, ModelPair] = field(init=False, default_factory=dict)
@@ -206,7 +216,11 @@ class Sweep:
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"worker must be i/n with 0 <= i < n, got {index}/{count}")
         self.out = Path(self.out)
-        self._check_settings()
+        if self.sharded:
+            parallel.start(self.settings.device)
+        self.leads = not self.sharded or parallel.rank() == 0  # reads and writes the folder, shows progress
+        self.progress = self.progress and self.leads
+        self._on_leader(self._check_settings)
         self.task = get_task(self.settings.task, self.settings.data)
         self.examples = self.task.examples(self.settings.limit)
         if not self.examples:
@@ -216,6 +230,22 @@ class Sweep:
     def from_folder(cls, out: str | Path, progress: bool = False) -> Sweep:
         """The sweep a folder holds, with the settings saved there (to merge its workers' results)."""
         return cls(Settings(**json.loads((Path(out) / SETTINGS_FILE).read_text())), out, progress)
+
+    def _on_leader(self, work: Callable[[], T]) -> T:
+        """``work()`` (which reads or writes the folder and makes no collective call): done here, or where the
+        target is sharded, done by rank 0 and its result (or the error it raised) given to every rank."""
+        if not self.sharded:
+            return work()
+        outcome: tuple[Any, BaseException | None] | None = None
+        if self.leads:
+            try:
+                outcome = (work(), None)
+            except (ValueError, OSError) as error:
+                outcome = (None, error)
+        value, error = parallel.agree(outcome)
+        if error is not None:
+            raise error
+        return value
 
     def _check_settings(self) -> None:
         mine = dataclasses.asdict(self.settings)
@@ -244,7 +274,7 @@ class Sweep:
         if name not in self._pairs:
             s = self.settings
             if not self._pairs:
-                base = ModelPair.load(s.target, None, s.dtype, s.device, s.weights, s.compile)
+                base = ModelPair.load(s.target, None, s.dtype, s.device, s.weights, s.compile, tp=self.sharded)
                 self._pairs["ar"] = base
             base = self._pairs["ar"]
             if name != "ar":
@@ -277,18 +307,22 @@ class Sweep:
         if spec.rule not in FUZZY or spec.threshold is not None:
             return spec.threshold
         path = self.out / "calibrations.json"
-        known = _read_json(path, {})
-        if spec.key not in known:
+        known = self._on_leader(lambda: _read_json(path, {}).get(spec.key))
+        if known is None:
             s = self.settings
             config = self.config(spec, 0.0, max_new_tokens=s.calibration_tokens, seed=s.option("seed"))
             sample = [e.prompt for e in self.examples[: s.calibration_prompts]]
             found = calibrate_pair(self.pair(spec.draft), config, "acceptance", spec.target_acceptance,
                                    sample, self.task.stop, self.progress).to_dict()
-            # Read again: a T another worker saved meanwhile wins, so that the row's examples share one T.
-            known = _read_json(path, {})
-            known.setdefault(spec.key, found)
-            _write_json(path, known)
-        return known[spec.key]["threshold"]
+
+            def keep() -> dict:  # read again: a T another worker saved meanwhile wins, so a row shares one T
+                saved = _read_json(path, {})
+                saved.setdefault(spec.key, found)
+                _write_json(path, saved)
+                return saved[spec.key]
+
+            known = self._on_leader(keep)
+        return known["threshold"]
 
     # -- rows ---------------------------------------------------------------------------------------
     def _is_greedy_ar(self, spec: Spec) -> bool:
@@ -298,7 +332,8 @@ class Sweep:
         """The target's greedy output for the examples this worker will decode (for agreement), kept on disk
         and read from every worker's file. A greedy AR row produces it anyway (and runs first), so only what
         no such row of this worker will produce is computed here."""
-        known = {id_: r["tokens"] for id_, r in _first_by_id(_worker_files(self.out, "greedy_reference")).items()}
+        known = self._on_leader(lambda: {id_: r["tokens"] for id_, r in
+                                         _first_by_id(_worker_files(self.out, "greedy_reference")).items()})
         coming = {e.id for spec in specs if self._is_greedy_ar(spec) for _, e in todo[spec.key]}
         needed = {e.id for pairs in todo.values() for _, e in pairs}
         spec = Spec("ar", "ar")
@@ -311,7 +346,8 @@ class Sweep:
     def _remember(self, references: dict[str, list[int]], example_id: str, tokens: list[int]) -> None:
         if example_id not in references:
             references[example_id] = tokens
-            _append_jsonl(self._own(self.out, "greedy_reference"), {"id": example_id, "tokens": tokens})
+            if self.leads:
+                _append_jsonl(self._own(self.out, "greedy_reference"), {"id": example_id, "tokens": tokens})
 
     def _all_specs(self, specs: list[Spec]) -> list[Spec]:
         """These rows after every row an earlier run of this folder asked for (kept in specs.json), so
@@ -331,9 +367,10 @@ class Sweep:
 
     def run(self, specs: list[Spec]) -> list[dict]:
         """Run this worker's share of every row not yet finished by any worker (with one progress bar over all
-        of it); return all the folder's finished rows, every worker's included."""
-        specs = self._all_specs(specs)
-        done = self._done(specs)
+        of it); return all the folder's finished rows, every worker's included (on a sharded target's rank 0;
+        nothing on its other ranks)."""
+        specs = self._on_leader(lambda: self._all_specs(specs))
+        done = self._on_leader(lambda: {key: set(records) for key, records in self._done(specs).items()})
         index, count = self.worker
         todo = {spec.key: [(i, e) for i, e in enumerate(self.examples) if i % count == index
                            and e.id not in done[spec.key]] for spec in specs}
@@ -349,11 +386,14 @@ class Sweep:
             self._warm_up(spec, threshold)
             path = self._own(self.out / "generations", spec.stem)
             for example_index, example in todo[spec.key]:
-                _append_jsonl(path, self._run_example(spec, threshold, example_index, example, references))
+                record = self._run_example(spec, threshold, example_index, example, references)
+                if self.leads:
+                    _append_jsonl(path, record)
                 bar.update()
-            self.merge()
+            if self.leads:
+                self.merge()
         bar.close()
-        return self.merge()
+        return self.merge() if self.leads else []
 
     def merge(self) -> list[dict]:
         """Rewrite results.csv, results.json and curve.png from every worker's records; return the finished
@@ -385,15 +425,17 @@ class Sweep:
         config = self.config(spec, threshold, seed=self.settings.option("seed") + index)
         result = self.generate(spec, ids, config)
         stats = result.stats
-        scores = dict(self.task.score(example, result.text))
         pair = self.pair(spec.draft)
-        scores["nll"] = target_nll(pair.target, ids, result.tokens, pair.vocab_size)
+        nll = target_nll(pair.target, ids, result.tokens, pair.vocab_size)  # every rank: the target's pass
+        if references is not None and self._is_greedy_ar(spec):
+            self._remember(references, example.id, result.tokens)
+        if not self.leads:  # rank 0 scores and keeps the record (scoring may run the completion's code)
+            return {}
+        scores = dict(self.task.score(example, result.text)) | {"nll": nll}
         if references is not None:
-            if self._is_greedy_ar(spec):
-                self._remember(references, example.id, result.tokens)
             scores |= greedy_agreement(result.tokens, references[example.id])
         if self._hardware is None:
-            self._hardware = hardware(self.settings.device)
+            self._hardware = hardware(self.settings.device, pair.step.shards)
         return {"id": example.id, "completion": result.text, "finish_reason": result.finish_reason,
                 "threshold": threshold, **{k: getattr(stats, k) for k in COUNTERS}, "scores": scores,
                 "hardware": self._hardware}

@@ -50,6 +50,23 @@ def test_generate_under_torchrun_prints_once_and_equals_one_process(tiny_dirs):
     assert json.loads(lines[0])["text"] == json.loads(alone.stdout)["text"]
 
 
+def test_a_two_node_launch_equals_one_process(tiny_dirs):
+    """Two torchrun launches of one process each, meeting at a rendezvous endpoint as two machines would
+    (`--nnodes 2 --node-rank i --rdzv-endpoint HOST:PORT`): rank 0's node prints one process's text."""
+    args = ["generate", "Hello there", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"],
+            "--method", "sd", "--max-new-tokens", "12", "--json"]
+    alone = subprocess.run(cli(*args), capture_output=True, text=True, timeout=300, env=ENV)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                               "-m", "fuzzyspec", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=ENV) for node in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    printed = [out.strip() for out, _ in outputs if out.strip()]
+    assert len(printed) == 1 and json.loads(printed[0])["text"] == json.loads(alone.stdout)["text"]
+
+
 def ranks(port: str, world: int, args: list[str], die_at_step: int | None = None) -> list[subprocess.Popen]:
     """``world`` ranks started by hand (as on separate machines); rank 1 may exit abruptly at a step."""
     launched = []
@@ -146,3 +163,37 @@ def test_a_sharded_server_that_loses_a_rank_stops_with_one_line(tiny_dirs):
     assert rank0.returncode == 1, stderr[-2000:]
     errors = [line for line in stderr.splitlines() if line.startswith("fuzzyspec: error")]
     assert len(errors) == 1 and "rank 0" in errors[0] and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_a_sweep_over_a_sharded_target_equals_one_process(tiny_dirs, tmp_path):
+    """`bench --tp` under torchrun: the ranks decode as one worker (rank 0 alone writes the folder and prints),
+    with the same completions, calibrated thresholds and agreement as one process."""
+    prompts = Path(__file__).parents[1] / "fixtures" / "prompts.jsonl"
+    args = ["bench", "--task", "freeform", "--data", str(prompts), "--target", tiny_dirs["target"], "--drafts",
+            f"ar,{tiny_dirs['draft']}", "--rules", "sd,fsd", "--target-acceptance", "0.5", "--calibration-prompts",
+            "2", "--max-new-tokens", "6", "--dtype", "float32", "--quiet", "--out"]
+    alone = subprocess.run(cli(*args, str(tmp_path / "alone")), capture_output=True, text=True, timeout=300, env=ENV)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    sharded = subprocess.run([*TORCHRUN, free_port(), "-m", "fuzzyspec", *args, str(tmp_path / "sharded"), "--tp"],
+                             capture_output=True, text=True, timeout=300, env=ENV)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    table = sharded.stdout.strip().splitlines()
+    assert len(table) == 1 + 3  # rank 0 alone prints: the header and the three rows
+
+    def outcome(folder: str) -> tuple[list, list]:
+        rows = json.loads((tmp_path / folder / "results.json").read_text())["rows"]
+        generations = sorted((tmp_path / folder / "generations").iterdir())
+        texts = [[(r["id"], r["completion"], r["threshold"]) for r in map(json.loads, path.read_text().splitlines())]
+                 for path in generations]
+        return [(r["key"], r["threshold"], r["exact_match"], r["first_diff"], r["nll"]) for r in rows], \
+            [(path.name, text) for path, text in zip(generations, texts)]
+
+    (rows, generations), (rows_alone, generations_alone) = outcome("sharded"), outcome("alone")
+    assert [row[:1] + row[2:4] for row in rows] == [row[:1] + row[2:4] for row in rows_alone]  # the tokens agree
+    # T and the NLL are sums that a sharded target adds in another order: equal up to float32 rounding
+    numbers = [value for row in rows for value in (row[1] or 0.0, row[4])]
+    assert numbers == pytest.approx([value for row in rows_alone for value in (row[1] or 0.0, row[4])], rel=1e-5)
+    assert [(name, [r[:2] for r in text]) for name, text in generations] == \
+        [(name, [r[:2] for r in text]) for name, text in generations_alone]
+    assert "target sharded over 2 ranks" in json.loads((tmp_path / "sharded" / "results.json").read_text()
+                                                       )["rows"][0]["hardware"]
