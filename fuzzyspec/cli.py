@@ -716,8 +716,11 @@ def _tune(args: argparse.Namespace) -> None:
         report["profiles"]["compiled" if compiled else "eager"] = {
             "key": key, "target_ms": times, "compile_s": compile_s, "draft_ms": step.profile.draft,
             "choices": tuning.choices(step.profile, options)}
-    if loaded.profile_key.split("|")[1] == "int4" and args.weights == "auto" and "eager" in report["profiles"]:
-        report["weights"] = _compare_weights(args, device, report["profiles"]["eager"]["target_ms"])
+    from .loading import auto_may_hold_int4
+
+    if args.weights == "auto" and auto_may_hold_int4(args.target, args.dtype, device) and "eager" in report["profiles"]:
+        form = loaded.profile_key.split("|")[1]
+        report["weights"] = _compare_weights(args, device, form, report["profiles"]["eager"]["target_ms"])
     if len(report["profiles"]) == 2:
         eager, compiled = (report["profiles"][mode]["target_ms"][1] for mode in ("eager", "compiled"))
         report["compile_pays"] = compiled < 0.9 * eager
@@ -748,23 +751,25 @@ def _tune(args: argparse.Namespace) -> None:
               f"{'compile' if report['compile_pays'] else 'stay eager'} by default")
 
 
-def _compare_weights(args: argparse.Namespace, device: str, int4_ms: dict[int, float]) -> dict:
-    """Time one eager step of the GGUF target dequantized to its float dtype beside the int4 step just measured,
-    and note the faster form, which ``--weights auto`` then holds on this machine."""
+def _compare_weights(args: argparse.Namespace, device: str, form: str, measured_ms: dict[int, float]) -> dict:
+    """Time one eager step of the GGUF target in the other weights form (int4, or dequantized to its float
+    dtype) beside the step just measured in ``form``, and note the faster form, which ``--weights auto`` then
+    holds on this machine (so a later tune measures both again, whichever auto holds now)."""
     from . import tuning
     from .core.step import TargetStep
     from .loading import FLOAT_WEIGHTS, load_model, resolve_dtype
 
-    width = min(int4_ms)
+    width = min(measured_ms)
     dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")
-    form = next(name for name, float_dtype in FLOAT_WEIGHTS.items() if float_dtype == dtype)
-    tuning.progress_line(f"the same target in {dtype}, to compare")
-    model, _ = load_model(args.target, dtype, device, weights=form)
-    float_ms, _ = tuning.measure_target(TargetStep(model), (width,))
-    fastest = "int4" if int4_ms[width] <= float_ms[width] else form
-    tuning.note(tuning.weights_key(args.target, device), fastest_weights=fastest, int4_ms=int4_ms[width],
-                float_ms=float_ms[width])
-    return {"step_ms": {"int4": int4_ms[width], dtype: float_ms[width]}, "fastest": fastest}
+    float_form = next(name for name, float_dtype in FLOAT_WEIGHTS.items() if float_dtype == dtype)
+    other = float_form if form == "int4" else "int4"
+    tuning.progress_line(f"the same target with {other} weights, to compare")
+    model, _ = load_model(args.target, "auto", device, weights=other)
+    other_ms, _ = tuning.measure_target(TargetStep(model), (width,))
+    int4_ms, float_ms = (measured_ms[width], other_ms[width]) if form == "int4" else (other_ms[width], measured_ms[width])
+    fastest = "int4" if int4_ms <= float_ms else float_form
+    tuning.note(tuning.weights_key(args.target, device), fastest_weights=fastest, int4_ms=int4_ms, float_ms=float_ms)
+    return {"step_ms": {"int4": int4_ms, dtype: float_ms}, "fastest": fastest}
 
 
 COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "serve": _serve, "train": _train,

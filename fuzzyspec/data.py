@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .files import write_whole
 from .loading import cache_dir
 
 # ShareGPT's speaker names -> chat-template roles; any other speaker (e.g. "bing") makes the
@@ -298,14 +298,7 @@ def cached_token_dataset(tokenizer: Any, name: str, **kwargs: Any) -> TokenDatas
                              f"choose another name or delete the file")
         return dataset
     dataset = build_token_dataset(tokenizer, **kwargs)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write aside and rename, so an interrupted or concurrent build never leaves a torn file.
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    try:
-        dataset.save(partial)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
+    write_whole(target, dataset.save)  # an interrupted or concurrent build never leaves a torn file
     return dataset
 
 

@@ -21,7 +21,6 @@ Quantization groups run along the input dimension, so whole rows move and the co
 """
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import Callable
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from .core.int4 import GROUP, Int4Linear, Int8Linear, fuse_projections
+from .files import write_whole
 
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
 FOUR_BIT = {"Q4_0": 2, "Q4_1": 4}  # where a block's codes start
@@ -269,8 +269,6 @@ def load_int4(path: str | Path, packed_cache: Path | None = None,
         raise ValueError(f"{path}: no weights for {', '.join(left[:3])}")
     model.generation_config = GenerationConfig.from_model_config(config)
     if made and packed_cache is not None:
-        packed_cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = packed_cache.with_name(f"{packed_cache.name}.partial-{os.getpid()}")
-        save_file(packed | made, partial)  # what was read from the cache, and what was missing from it
-        os.replace(partial, packed_cache)
+        # what was read from the cache, and what was missing from it
+        write_whole(packed_cache, lambda partial: save_file(packed | made, partial))
     return model.eval()

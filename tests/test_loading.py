@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from conftest import tiny_llama
 from fuzzyspec.api import ModelPair
 from fuzzyspec.loading import LoadError, load_model, resolve_dtype, shared_vocab_size
 
@@ -90,3 +91,29 @@ def test_auto_weights_follow_what_tune_measured_faster(tmp_path, monkeypatch):
     assert tuning.profile_key(None, "auto", "auto", "cpu", False).split("|")[1] == "torch.float32"
     tuning.note(tuning.weights_key(None, "cpu"), fastest_weights="int4")
     assert weight_form(None) == "int4"
+
+
+def test_tune_compares_weights_again_whichever_form_auto_holds(tmp_path, monkeypatch):
+    """Once float weights were measured faster, `tune` (which then loads floats) times int4 beside them, so a
+    later measurement can move --weights auto back to int4."""
+    import argparse
+
+    from fuzzyspec import cli, loading, tuning
+    from fuzzyspec.core import int4
+    from fuzzyspec.loading import auto_may_hold_int4, weight_form
+
+    if not int4.available():
+        pytest.skip("this torch build has no CPU int4 kernel")
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    tuning.note(tuning.weights_key(None, "cpu"), fastest_weights="fp32", int4_ms=40.0, float_ms=30.0)
+    assert weight_form(None) == "float32" and auto_may_hold_int4(None)
+    loaded = []
+    monkeypatch.setattr(loading, "load_model", lambda name, dtype, device, weights: loaded.append(weights) or
+                        (tiny_llama(), None))
+    monkeypatch.setattr(tuning, "measure_target", lambda step, widths: ({1: 20.0}, {}))
+    args = argparse.Namespace(target=None)
+    report = cli._compare_weights(args, "cpu", "torch.float32", {1: 30.0})
+    assert loaded == ["int4"] and report == {"step_ms": {"int4": 20.0, "float32": 30.0}, "fastest": "int4"}
+    assert weight_form(None) == "int4"
+    report = cli._compare_weights(args, "cpu", "int4", {1: 35.0})  # and from int4, the float form is timed
+    assert loaded == ["int4", "fp32"] and report["fastest"] == "fp32" and weight_form(None) == "float32"

@@ -24,10 +24,8 @@ import csv
 import dataclasses
 import io
 import json
-import os
 import platform
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -38,6 +36,7 @@ from tqdm.auto import tqdm
 from ..api import ModelPair, Result
 from ..core import parallel
 from ..core.config import DecodeConfig
+from ..files import write_whole
 from ..loading import EMBEDDED
 from ..options import BY_NAME, FUZZY
 from .calibrate import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, calibrate_pair
@@ -157,22 +156,8 @@ def _read_json(path: Path, default: Any) -> Any:
     return json.loads(path.read_text()) if path.is_file() else default
 
 
-def _replace(path: Path, write: Callable[[Path], object]) -> None:
-    """Write ``path`` through a temporary file beside it, then rename it into place: workers write the
-    folder's shared files (settings, rows, calibrations, results), and a rename leaves a reader, or another
-    worker writing the same file, a whole file, never a half-written or interleaved one. The temporary name
-    is this process's own on any machine sharing the folder; a ``write`` that makes no file replaces nothing."""
-    temp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}{path.suffix}")
-    try:
-        write(temp)
-        if temp.exists():
-            os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
 def _write_json(path: Path, value: Any, indent: int = 2) -> None:
-    _replace(path, lambda temp: temp.write_text(json.dumps(value, indent=indent) + "\n"))
+    write_whole(path, lambda temp: temp.write_text(json.dumps(value, indent=indent) + "\n"))
 
 
 def _worker_files(folder: Path, stem: str) -> list[Path]:
@@ -477,9 +462,9 @@ class Sweep:
         writer = csv.DictWriter(table, list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
-        _replace(self.out / "results.csv", lambda temp: temp.write_text(table.getvalue(), newline=""))
+        write_whole(self.out / "results.csv", lambda temp: temp.write_text(table.getvalue(), newline=""))
         _write_json(self.out / "results.json", {"settings": dataclasses.asdict(self.settings), "rows": rows})
         title = f"{self.task.name}, {len(self.examples)} examples, {rows[0]['target']}\n{rows[0]['hardware']}"
-        _replace(self.out / "curve.png", lambda temp: plot_curve(rows, temp, self.task.metric,
+        write_whole(self.out / "curve.png", lambda temp: plot_curve(rows, temp, self.task.metric,
                                                                  self.task.higher_is_better, title=title))
         return rows

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from ..core.config import DecodeConfig
 from ..core.engine import Engine, Job, Row, admit
 from ..core.sampling import Sampling
 from ..data import TokenDataset
+from ..files import write_whole
 from ..loading import shared_vocab_size
 
 
@@ -98,10 +98,7 @@ def _check_settings(folder: Path, settings: AnswerSettings, prompts: list[list[i
             raise ValueError(f"{folder} holds answers made with other settings (saved, asked): {differ}; "
                              "use another folder")
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"settings.json.partial-{os.getpid()}")  # workers may start together
-    partial.write_text(json.dumps(record, indent=2))
-    os.replace(partial, path)
+    write_whole(path, lambda partial: partial.write_text(json.dumps(record, indent=2)))  # workers may start together
 
 
 @torch.inference_mode()
@@ -135,10 +132,7 @@ def generate_answers(target: PreTrainedModel, prompts: list[list[int]], folder: 
         dataset = TokenDataset.from_sequences([p + a for p, a in zip(chunk, answers)],
                                               {"temperature": temperature, "shard": shard},
                                               [len(p) for p in chunk])
-        path = _shard_path(folder, temperature, shard)
-        partial = path.with_name(path.name + ".partial")
-        dataset.save(partial)
-        partial.replace(path)
+        write_whole(_shard_path(folder, temperature, shard), dataset.save)
         written += len(chunk)
     bar.close()
     return written
