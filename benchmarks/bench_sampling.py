@@ -24,7 +24,7 @@ from fuzzyspec.core import engine, judge, rules, sampling, tree_rules
 
 EVERYDAY = Path(__file__).resolve().parents[1] / "fuzzyspec" / "prompts" / "everyday.jsonl"
 ROWS = {"ar": (None, {"method": "ar"}), "default job (EAGLE-2 trees, sd)": ("default", {}),
-        "draft LM chain sd": ("draft", {"method": "sd"})}
+        "draft LM chain sd, gamma 5": ("draft", {"method": "sd", "gamma_schedule": "constant"})}
 
 
 def multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -10,8 +10,9 @@ One ``Engine.step`` runs one round for every row of the batch:
    (``step.TargetStep``) over a static KV cache (``kvcache.StaticCache``): row b's tokens are
    written from its length on, and each attends to its row's cache and its own ancestors, at
    position length + depth;
-3. each row's rule (``rules`` for chains, vectorised; ``tree_rules.walk`` for trees)
-   keeps a path of drafts and emits one more token from the target;
+3. each row's rule (``judge``: ``rules`` for chains, vectorised; ``tree_rules`` for trees)
+   keeps a path of drafts and emits one more token from the target; every row's outcome is
+   read from the device in one transfer;
 4. each row's length moves past its newest token and accepted path (a tree's path is copied
    down within the row; what was rejected is left behind and overwritten by the next step),
    feature-reading drafters get the target's hidden states of what stays, and rows that

@@ -26,6 +26,13 @@ At a row u with drafted children c_1..c_m (in drafting order):
 A row with no children is a leaf: the walk emits a draw from p_u there (the
 bonus token). Every rule returns (path, token): the accepted node indices from
 the root's child down, and the token emitted after them.
+
+A row's exact test depends on nothing but that row (p_u, its children, fresh
+random numbers), so ``exact_tests`` runs it for any set of rows at once: the
+walk for the row it visits, and sampled ``sd`` for every row of the tree ahead
+of the walk (``decide_exactly``), which then only follows the decisions: the
+device is read once, not at every level. A visited row uses random numbers no
+other visited row uses, so the output is distributed as the sequential walk's.
 """
 from __future__ import annotations
 
@@ -61,19 +68,61 @@ def walk(rule: str, tree: Draft, p: Tensor, d: Any, threshold: float, greedy: bo
             if greedy:
                 choice = next((kid for kid in kids if tokens[kid] == best), None)
             else:
-                residual = p_u.clone()
-                for kid in kids:
-                    mass = residual.sum()
-                    u = torch.rand((), generator=generator, device=p_u.device)
-                    if u * mass < residual[tokens[kid]]:
-                        choice = kid
-                        break
-                    residual[tokens[kid]] = 0
+                kid_tokens = torch.tensor([[tokens[kid] for kid in kids]], device=p_u.device)
+                accepted, residual = exact_tests(p_u[None], kid_tokens, generator)
+                position = int(accepted[0])
+                choice, residual = (kids[position] if position >= 0 else None), residual[0]
         if choice is None and rule != "sd" and float(d[row]) <= threshold and (threshold > 0 or rule == "fsd"):
             choice = max(kids, key=lambda kid: float(p_u[tokens[kid]]))
         if choice is None:
-            if greedy:
-                return path, best
-            return path, int(sample(residual if residual.sum() > 0 else p_u, generator))
+            return path, best if greedy else int(sample(residual, generator))
         path.append(choice)
         row = choice + 1
+
+
+def exact_tests(p: Tensor, kid_tokens: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """SD's test of each row's children, for many rows at once: ``p`` [R, V], ``kid_tokens`` [R, m] the
+    children's (distinct) tokens in drafting order, -1 past a row's last child.
+
+    Child j is accepted with probability p(c_j) / (total - p(c_1) - ... - p(c_{j-1})), the first accepted
+    wins; that is the residual test of the module docstring, with the residual's mass written out. Returns
+    (``choice`` [R]: the accepted child's position, -1 where none is; ``residual`` [R, V]: p with every
+    child's token zeroed, or p itself where that leaves nothing, to draw from where none is accepted)."""
+    valid = kid_tokens >= 0
+    index = kid_tokens.clamp(min=0)
+    mass = p.gather(1, index) * valid
+    left = p.sum(1, keepdim=True) - (mass.cumsum(1) - mass)
+    u = torch.rand(kid_tokens.shape, generator=generator, device=p.device)
+    accepted = valid & (u * left < mass)
+    choice = torch.where(accepted.any(1), accepted.int().argmax(1), -1)
+    # scatter_add: padding and a child may share an index, and adding zero there changes nothing
+    tested = torch.zeros_like(p).scatter_add_(1, index, valid.to(p.dtype))
+    residual = p.masked_fill(tested > 0, 0)
+    residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p)
+    return choice, residual
+
+
+def kids_matrix(tree: Draft) -> Tensor:
+    """[n + 1, m] on the host: row r's children as node indices in drafting order, -1 past the last."""
+    children = tree.children
+    width = max(map(len, children))
+    return torch.tensor([kids + [-1] * (width - len(kids)) for kids in children], dtype=torch.long)
+
+
+def decide_exactly(tree: Draft, p: Tensor, kids: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Sampled ``sd`` at every row of ``tree`` at once, on the device: [2 (n + 1)], the accepted child's
+    position at each row (-1: none) and the token drawn there if none is (``follow`` reads the path).
+    ``kids``: ``kids_matrix(tree)`` on p's device."""
+    kid_tokens = torch.where(kids >= 0, tree.tokens[kids.clamp(min=0)], -1)
+    choice, residual = exact_tests(p, kid_tokens, generator)
+    return torch.cat([choice, sample(residual, generator)])
+
+
+def follow(tree: Draft, decisions: list[int]) -> tuple[list[int], int]:
+    """(path, token) from ``decide_exactly``'s decisions, read back as a host list."""
+    rows = len(tree) + 1
+    children, path, row = tree.children, [], 0
+    while decisions[row] >= 0:
+        path.append(children[row][decisions[row]])
+        row = path[-1] + 1
+    return path, decisions[rows + row]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fuzzyspec.core.divergences import divergence
-from fuzzyspec.core.tree_rules import walk
+from fuzzyspec.core.tree_rules import decide_exactly, exact_tests, follow, kids_matrix, walk
 from fuzzyspec.core.draft import Draft as Tree
 from stats_util import chi_square_p_value
 
@@ -33,6 +33,35 @@ def test_exact_tree_sampling_is_lossless():
             second[out[1]] += 1
     assert chi_square_p_value(first, p[0]) > 1e-3
     assert chi_square_p_value(second, p[1]) > 1e-3
+
+
+def test_every_row_decided_at_once_is_lossless_too():
+    """Sampled sd with every row's test made ahead of the walk (one read of the device a step): the same
+    distributions as the walk's, at the root and after node 0, and after a leaf the bonus token ~ p there."""
+    p, _ = dists(0)
+    g = torch.Generator().manual_seed(2)
+    kids = kids_matrix(TREE)
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(20_000):
+        path, token = follow(TREE, decide_exactly(TREE, p, kids, g).tolist())
+        out = [int(TREE.tokens[i]) for i in path] + [token]
+        first[out[0]] += 1
+        if out[0] == 2:
+            second[out[1]] += 1
+    assert chi_square_p_value(first, p[0]) > 1e-3
+    assert chi_square_p_value(second, p[1]) > 1e-3
+
+
+def test_exact_tests_of_many_rows():
+    """A child of probability 1 is always accepted, one of probability 0 never; a row whose children hold all
+    of p draws from p itself where none is accepted; -1 marks the end of a row's children."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.0, 0.6, 0.4]])
+    kid_tokens = torch.tensor([[0, 1], [1, -1], [1, 2]])
+    choice, residual = exact_tests(p, kid_tokens, torch.Generator().manual_seed(0))
+    assert choice[:2].tolist() == [1, -1]
+    assert residual[1].tolist() == [0.5, 0.0, 0.5]
+    residual = exact_tests(p[2:], torch.tensor([[-1, -1]]), None)[1]
+    assert residual.tolist() == p[2:].tolist()
 
 
 def test_greedy_walk_follows_the_targets_argmax():

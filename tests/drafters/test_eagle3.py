@@ -101,6 +101,32 @@ def test_greedy_sd_with_a_reduced_vocabulary_head_is_the_targets_output(target_m
         assert tokens.shape[1] == 12
 
 
+def test_sampled_sd_on_eagle_trees_has_the_targets_distribution():
+    """EAGLE-2 trees under sampled sd (every row's test decided on the device, the path followed after one
+    read): the joint distribution of two sampled tokens is the target's own (chi-square over 1,500 runs)."""
+    target = tiny_llama(vocab_size=6, layers=4, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.1)  # flatter distributions: every cell gets counts
+    torch.manual_seed(0)
+    head = make_eagle3(target, DraftVocab(torch.arange(6), 6)).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        p1 = target(prompt).logits[0, -1].softmax(-1)
+        following = torch.cat([prompt.expand(6, -1), torch.arange(6).view(6, 1)], 1)
+        p2 = target(following).logits[:, -1].softmax(-1)
+    exact = p1[:, None] * p2
+    counts, accepted = torch.zeros(6, 6), 0
+    drafter = EagleDrafter(head, target, 6)
+    for seed in range(1500):
+        config = DecodeConfig(method="sd", tree=True, tree_depth=2, tree_top_k=2, tree_total_tokens=4,
+                              max_new_tokens=2, sampling=Sampling(temperature=1.0), seed=seed)
+        tokens, stats = decode(target, drafter, prompt, config, 6)
+        counts[tokens[0, 0], tokens[0, 1]] += 1
+        accepted += stats.accepted
+    assert 100 < accepted < 1400
+    assert chi_square_p_value(counts, exact) > 1e-3
+
+
 def test_sampled_sd_with_a_reduced_draft_vocabulary_has_the_targets_distribution():
     """The draft can propose only tokens 0, 2 and 4 of 6, so q is zero where p is not: SD must still emit
     the target's own joint distribution of two tokens (chi-square over 1,500 seeded runs)."""
