@@ -23,8 +23,7 @@ from .divergences import divergence, point_divergence
 from .draft import Draft
 from .rules import RULES
 from .sampling import raw_probs, sample
-from .host import upload
-from .tree_rules import decide_exactly, follow, kids_matrix, walk
+from .tree_rules import decide_exactly, walk
 
 
 @dataclass
@@ -90,12 +89,14 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
             return Verdict(path, token, depth, None, drafted)
 
         return Pending(values, finish)
-    if rule == "sd":  # sampled: every row decided at once on the device, the path followed after one read
-        decisions = decide_exactly(draft, p, upload(kids_matrix(draft), p.device), generator)
+    if rule == "sd":  # sampled: every row's test decided at once on the device, the path followed after one read
+        decisions = decide_exactly(draft, p, generator)
 
         def finish_sampled(values: list[int]) -> Verdict:
-            path, token = follow(draft, values[: 2 * (n + 1)])
-            return Verdict(path, token, depth, None, values[2 * (n + 1):])
+            drafted = values[2 * (n + 1):]
+            path, token = walk(rule, draft, p, None, config.threshold, False, tokens=drafted,
+                               decisions=values[: 2 * (n + 1)])
+            return Verdict(path, token, depth, None, drafted)
 
         return Pending(torch.cat([decisions, draft.tokens]).long(), finish_sampled)
     lazy = None

@@ -42,40 +42,44 @@ import torch
 from torch import Tensor
 
 from .draft import Draft
+from .host import upload
 from .sampling import sample
 
 
 def walk(rule: str, tree: Draft, p: Tensor, d: Any, threshold: float, greedy: bool,
          generator: torch.Generator | None = None, argmax: list[int] | None = None,
-         tokens: list[int] | None = None) -> tuple[list[int], int]:
+         tokens: list[int] | None = None, decisions: list[int] | None = None) -> tuple[list[int], int]:
     """Apply ``rule`` (``sd``, ``fsd`` or ``fsd-hybrid``) down ``tree``; see the module docstring. ``d``: None
     for ``sd``, else anything whose ``d[row]`` is D at that row (a tensor, or values computed when first read).
+    Sampled ``sd`` and ``fsd-hybrid`` take every row's exact test from ``decide_exactly`` (``decisions``, its
+    values as a host list; made and read here when not given), so that the two draw the same random numbers.
     ``argmax`` (p's argmax at every row) and ``tokens`` (the tree's tokens), when given as host lists, spare
-    the walk its reads of the device: greedy ``sd`` then reads nothing else."""
+    the walk its reads of the device: greedy and sampled ``sd`` then read nothing else."""
     if rule not in ("sd", "fsd", "fsd-hybrid"):
         raise ValueError(f"unknown tree rule {rule!r}")
-    children = tree.children
+    exact = rule != "fsd" and not greedy
+    if exact and decisions is None:
+        decisions = decide_exactly(tree, p, generator).tolist()
+    children, rows = tree.children, len(tree) + 1
     tokens = tree.tokens.tolist() if tokens is None else tokens
     path: list[int] = []
     row = 0
     while True:
         p_u, kids = p[row], children[row]
         best = (argmax[row] if argmax is not None else int(p_u.argmax())) if greedy else None
-        if not kids:
-            return path, best if greedy else int(sample(p_u, generator))
-        choice, residual = None, p_u
-        if rule != "fsd":
+        choice = None
+        if rule != "fsd" and kids:
             if greedy:
                 choice = next((kid for kid in kids if tokens[kid] == best), None)
-            else:
-                kid_tokens = torch.tensor([[tokens[kid] for kid in kids]], device=p_u.device)
-                accepted, residual = exact_tests(p_u[None], kid_tokens, generator)
-                position = int(accepted[0])
-                choice, residual = (kids[position] if position >= 0 else None), residual[0]
-        if choice is None and rule != "sd" and float(d[row]) <= threshold and (threshold > 0 or rule == "fsd"):
+            elif decisions[row] >= 0:
+                choice = kids[decisions[row]]
+        if (choice is None and kids and rule != "sd" and float(d[row]) <= threshold
+                and (threshold > 0 or rule == "fsd")):
             choice = max(kids, key=lambda kid: float(p_u[tokens[kid]]))
-        if choice is None:
-            return path, best if greedy else int(sample(residual, generator))
+        if choice is None:  # the bonus token at a leaf, else a draw from the exact test's residual, or from p_u
+            if greedy:
+                return path, best
+            return path, decisions[rows + row] if exact else int(sample(p_u, generator))
         path.append(choice)
         row = choice + 1
 
@@ -109,20 +113,11 @@ def kids_matrix(tree: Draft) -> Tensor:
     return torch.tensor([kids + [-1] * (width - len(kids)) for kids in children], dtype=torch.long)
 
 
-def decide_exactly(tree: Draft, p: Tensor, kids: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Sampled ``sd`` at every row of ``tree`` at once, on the device: [2 (n + 1)], the accepted child's
-    position at each row (-1: none) and the token drawn there if none is (``follow`` reads the path).
-    ``kids``: ``kids_matrix(tree)`` on p's device."""
+def decide_exactly(tree: Draft, p: Tensor, generator: torch.Generator | None) -> Tensor:
+    """The exact test at every row of ``tree`` at once, on the device: [2 (n + 1)], the accepted child's
+    position at each row (-1: none), then the token drawn from the row's residual (what is emitted there if
+    none is accepted; at a leaf, a draw from p). ``walk`` follows them from the root."""
+    kids = upload(kids_matrix(tree), p.device)
     kid_tokens = torch.where(kids >= 0, tree.tokens[kids.clamp(min=0)], -1)
     choice, residual = exact_tests(p, kid_tokens, generator)
     return torch.cat([choice, sample(residual, generator)])
-
-
-def follow(tree: Draft, decisions: list[int]) -> tuple[list[int], int]:
-    """(path, token) from ``decide_exactly``'s decisions, read back as a host list."""
-    rows = len(tree) + 1
-    children, path, row = tree.children, [], 0
-    while decisions[row] >= 0:
-        path.append(children[row][decisions[row]])
-        row = path[-1] + 1
-    return path, decisions[rows + row]

@@ -127,6 +127,18 @@ def test_sampled_sd_on_eagle_trees_has_the_targets_distribution():
     assert chi_square_p_value(counts, exact) > 1e-3
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_hybrid_at_zero_is_sd_on_sampled_trees(target_model, seed):
+    """fsd-hybrid at T = 0 on EAGLE-2 trees: the same text as sd under one seed (the same random numbers)."""
+    drafter = EagleDrafter(random_head(target_model), target_model, V)
+    prompt = torch.tensor([[1, 4, 7, 10, 14, 17]])
+    common = dict(tree=True, max_new_tokens=24, sampling=Sampling(temperature=1.0), seed=seed)
+    sd, sd_stats = decode(target_model, drafter, prompt, DecodeConfig(method="sd", **common), V)
+    hybrid, hybrid_stats = decode(target_model, drafter, prompt,
+                                  DecodeConfig(method="fsd-hybrid", threshold=0.0, **common), V)
+    assert sd.tolist() == hybrid.tolist() and sd_stats.accepted == hybrid_stats.accepted
+
+
 def test_sampled_sd_with_a_reduced_draft_vocabulary_has_the_targets_distribution():
     """The draft can propose only tokens 0, 2 and 4 of 6, so q is zero where p is not: SD must still emit
     the target's own joint distribution of two tokens (chi-square over 1,500 seeded runs)."""
