@@ -355,7 +355,7 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
     if tp and args.command not in ("generate", "serve"):
         raise UsageError(f"under torchrun only `generate`, `serve` and `bench --tp` shard the target; "
                          f"`{args.command}` does not")
-    compile = _compiles(args, device, long_running)
+    compile = _compiles(args, device, long_running, sharded=tp)
     if compile:
         _persist_compiled_code()
     pair = ModelPair.load(args.target, draft, args.dtype, device, args.weights, compile, tp=tp)
@@ -365,10 +365,11 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
     return pair
 
 
-def _compiles(args: argparse.Namespace, device: str, long_running: bool) -> bool:
-    """--compile as given; else compiled only for long-running commands, where `fuzzyspec tune` measured
-    compiled steps faster on this machine (a one-shot answer cannot repay a compilation)."""
-    if args.compile is not None or not long_running:
+def _compiles(args: argparse.Namespace, device: str, long_running: bool, sharded: bool = False) -> bool:
+    """--compile as given; else compiled only for long-running commands of an unsharded target, where
+    `fuzzyspec tune` measured compiled steps faster on this machine (a one-shot answer cannot repay a
+    compilation, and a sharded target's steps do not compile yet)."""
+    if args.compile is not None or not long_running or sharded:
         return bool(args.compile)
     from . import tuning
 
@@ -568,7 +569,7 @@ def _bench(args: argparse.Namespace) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     settings = Settings(task=args.task, data=args.data, limit=args.limit, target=args.target, dtype=args.dtype,
                         device=device, weights=args.weights,
-                        compile=not args.tp and _compiles(args, device, long_running=True),
+                        compile=_compiles(args, device, long_running=True, sharded=args.tp),
                         decoding=decoding,
                         calibration_prompts=args.calibration_prompts or CALIBRATION_PROMPTS)
     if not args.tp or parallel.rank() == 0:  # rank 0 alone writes a sharded target's sweep

@@ -179,6 +179,19 @@ def test_bench_bad_torchrun_ranks(capsys, tmp_path, monkeypatch):
                   "RANK/WORLD_SIZE (torchrun's) must be i/n with 0 <= i < n, got '2/2'")
 
 
+def test_compiling_by_default_only_where_tune_measured_it_pays_and_never_sharded(monkeypatch):
+    import argparse
+
+    from fuzzyspec import cli, tuning
+
+    monkeypatch.setattr(tuning, "facts", lambda key: {"compile_pays": True})
+    unset = argparse.Namespace(compile=None, target=None, weights="auto", dtype="auto")
+    assert cli._compiles(unset, "cpu", long_running=True)
+    assert not cli._compiles(unset, "cpu", long_running=False)  # a one-shot answer
+    assert not cli._compiles(unset, "cpu", long_running=True, sharded=True)  # a sharded server or sweep
+    assert cli._compiles(argparse.Namespace(compile=True), "cpu", long_running=True, sharded=True)  # asked for
+
+
 def test_bench_tp_needs_torchrun(capsys, tmp_path):
     fails_cleanly(capsys, ["bench", "--task", "freeform", "--out", str(tmp_path), "--tp"],
                   "--tp shards the target over the ranks of a torchrun launch: run it under torchrun "
