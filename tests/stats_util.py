@@ -15,3 +15,20 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     statistic = ((counts - expected) ** 2 / expected.clamp_min(1e-12)).sum()
     dof = counts.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), statistic / 2))
+
+
+def two_token_check(target, prompt: torch.Tensor, run, runs: int = 1500) -> tuple[float, int]:
+    """Decode two tokens ``runs`` times (``run(seed)`` -> (tokens [1, 2], stats)) and compare their joint
+    distribution with the target's own p(t1) p(t2 | t1) over its vocabulary: (chi-square p-value, drafts
+    accepted in all)."""
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        p1 = target(prompt).logits[0, -1].softmax(-1)
+        following = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab).view(vocab, 1)], 1)
+        p2 = target(following).logits[:, -1].softmax(-1)
+    counts, accepted = torch.zeros(vocab, vocab), 0
+    for seed in range(runs):
+        tokens, stats = run(seed)
+        counts[tokens[0, 0], tokens[0, 1]] += 1
+        accepted += stats.accepted
+    return chi_square_p_value(counts, p1[:, None] * p2), accepted

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from fuzzyspec.core.kvcache import crop_to
 from fuzzyspec.core.rules import RULES
 from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.core.step import TargetStep
-from stats_util import chi_square_p_value
+from stats_util import two_token_check
 
 V = 32
 PROMPTS = [[1, 5, 9, 3, 7, 2], [4], [8, 8, 8, 1, 0, 30, 31, 2, 2, 6, 17]]
@@ -62,24 +63,15 @@ def test_sampled_sd_has_the_targets_distribution(greedy_drafts, compiled):
     with torch.no_grad():
         target.lm_head.weight.mul_(0.1)  # flatter distributions: every cell gets counts
     draft = noisy_copy(target, 0.8, seed=4)
-    prompt = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        p1 = target(prompt).logits[0, -1].softmax(-1)
-        following = torch.cat([prompt.expand(6, -1), torch.arange(6).view(6, 1)], 1)
-        p2 = target(following).logits[:, -1].softmax(-1)
-    exact = p1[:, None] * p2  # [t1, t2]
-    counts = torch.zeros(6, 6)
     config = DecodeConfig(method="sd", gamma=3, max_new_tokens=2, sampling=Sampling(temperature=1.0),
                           greedy_drafts=greedy_drafts)
     drafter = ModelDrafter(draft, 6)
     step = TargetStep(target, compile=compiled, widths=(1, 6))
-    accepted = 0
-    for seed in range(1500):
-        tokens, stats = decode(step, drafter, prompt, DecodeConfig(**{**config.__dict__, "seed": seed}), 6)
-        counts[tokens[0, 0], tokens[0, 1]] += 1
-        accepted += stats.accepted
+    prompt = torch.tensor([[1, 2, 3]])
+    p_value, accepted = two_token_check(
+        target, prompt, lambda seed: decode(step, drafter, prompt, dataclasses.replace(config, seed=seed), 6))
     assert 100 < accepted < 1400  # the draft is neither always right nor always wrong
-    assert chi_square_p_value(counts, exact) > 1e-3
+    assert p_value > 1e-3
 
 
 def test_greedy_drafts_are_the_drafts_argmax_while_sampling(target, draft):

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from fuzzyspec.drafters.eagle import EagleDrafter, load_any_head
 from fuzzyspec.drafters.eagle3 import default_feature_layers, is_eagle3, load_eagle3, make_eagle3
 from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.core.vocab import DraftVocab
-from stats_util import chi_square_p_value
+from stats_util import two_token_check
 
 V = 32
 
@@ -109,22 +110,14 @@ def test_sampled_sd_on_eagle_trees_has_the_targets_distribution():
         target.lm_head.weight.mul_(0.1)  # flatter distributions: every cell gets counts
     torch.manual_seed(0)
     head = make_eagle3(target, DraftVocab(torch.arange(6), 6)).eval()
-    prompt = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        p1 = target(prompt).logits[0, -1].softmax(-1)
-        following = torch.cat([prompt.expand(6, -1), torch.arange(6).view(6, 1)], 1)
-        p2 = target(following).logits[:, -1].softmax(-1)
-    exact = p1[:, None] * p2
-    counts, accepted = torch.zeros(6, 6), 0
     drafter = EagleDrafter(head, target, 6)
-    for seed in range(1500):
-        config = DecodeConfig(method="sd", tree=True, tree_depth=2, tree_top_k=2, tree_total_tokens=4,
-                              max_new_tokens=2, sampling=Sampling(temperature=1.0), seed=seed)
-        tokens, stats = decode(target, drafter, prompt, config, 6)
-        counts[tokens[0, 0], tokens[0, 1]] += 1
-        accepted += stats.accepted
+    config = DecodeConfig(method="sd", tree=True, tree_depth=2, tree_top_k=2, tree_total_tokens=4,
+                          max_new_tokens=2, sampling=Sampling(temperature=1.0))
+    prompt = torch.tensor([[1, 2, 3]])
+    p_value, accepted = two_token_check(
+        target, prompt, lambda seed: decode(target, drafter, prompt, dataclasses.replace(config, seed=seed), 6))
     assert 100 < accepted < 1400
-    assert chi_square_p_value(counts, exact) > 1e-3
+    assert p_value > 1e-3
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -148,20 +141,11 @@ def test_sampled_sd_with_a_reduced_draft_vocabulary_has_the_targets_distribution
     noisy = noisy_copy(target, 0.8, seed=4)
     draft = make_draft_lm(noisy, 1, vocab=DraftVocab(torch.tensor([0, 2, 4]), 6))
     draft.model.get_output_embeddings().weight.data.copy_(noisy.lm_head.weight.data[[0, 2, 4]])
-    prompt = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        p1 = target(prompt).logits[0, -1].softmax(-1)
-        following = torch.cat([prompt.expand(6, -1), torch.arange(6).view(6, 1)], 1)
-        p2 = target(following).logits[:, -1].softmax(-1)
-    exact = p1[:, None] * p2
-    counts = torch.zeros(6, 6)
     drafter = ModelDrafter(draft.model, 6, draft.vocab)
     assert drafter.vocab is not None
-    accepted = 0
-    for seed in range(1500):
-        config = DecodeConfig(method="sd", gamma=3, max_new_tokens=2, sampling=Sampling(temperature=1.0), seed=seed)
-        tokens, stats = decode(target, drafter, prompt, config, 6)
-        counts[tokens[0, 0], tokens[0, 1]] += 1
-        accepted += stats.accepted
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=2, sampling=Sampling(temperature=1.0))
+    prompt = torch.tensor([[1, 2, 3]])
+    p_value, accepted = two_token_check(
+        target, prompt, lambda seed: decode(target, drafter, prompt, dataclasses.replace(config, seed=seed), 6))
     assert 100 < accepted < 1400
-    assert chi_square_p_value(counts, exact) > 1e-3
+    assert p_value > 1e-3
