@@ -28,11 +28,11 @@ bonus token). Every rule returns (path, token): the accepted node indices from
 the root's child down, and the token emitted after them.
 
 A row's exact test depends on nothing but that row (p_u, its children, fresh
-random numbers), so ``exact_tests`` runs it for any set of rows at once: the
-walk for the row it visits, and sampled ``sd`` for every row of the tree ahead
-of the walk (``decide_exactly``), which then only follows the decisions: the
-device is read once, not at every level. A visited row uses random numbers no
-other visited row uses, so the output is distributed as the sequential walk's.
+random numbers), so sampled ``sd`` and ``fsd-hybrid`` run it at every row of
+the tree at once (``exact_tests``, ``decide_exactly``), ahead of the walk, which
+then follows the decisions: the device is read once, not at every level. The
+rows a path visits use random numbers no other visited row uses, so the output
+is distributed as a test made row by row along the path.
 """
 from __future__ import annotations
 
