@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .core import parallel
 from .core.config import DecodeConfig
 from .core.draft import Drafter
 from .core.engine import decode
@@ -72,8 +73,6 @@ class ModelPair:
         the same calls, and the drafter runs on each."""
         from . import tuning
 
-        from .core import parallel
-
         shards = parallel.world_size() if tp else 1
         key = tuning.profile_key(target, weights, dtype, device, compile, shards)  # checks the options first
         target_model, tokenizer = load_model(target, dtype, device, weights, tp=tp)
@@ -86,8 +85,6 @@ class ModelPair:
     def save_profile(self) -> None:
         """Keep what this pair's steps were measured to cost (done after each ``generate``)."""
         from . import tuning
-
-        from .core import parallel
 
         # The ranks of a sharded target share rank 0's plans, so rank 0's measurements are the ones kept.
         if self.profile_key is not None and self.step.profile.updates and parallel.rank() == 0:

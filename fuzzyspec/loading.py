@@ -157,20 +157,16 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
     ``auto`` holds a GGUF target at its own 4-bit bytes where the CPU int4 kernel runs them (on the CPU,
     unless ``--dtype`` names a float type, for a llama GGUF with Q4_0/Q4_1 weights) and ``fuzzyspec tune``
     has not measured a float form faster on this machine, and otherwise follows ``--dtype``."""
-    from .core import int4
-
     if weights not in WEIGHTS:
         raise LoadError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if weights in FLOAT_WEIGHTS:
         if dtype not in ("auto", FLOAT_WEIGHTS[weights]):
             raise LoadError(f"--weights {weights} and --dtype {dtype} disagree: give one")
         return FLOAT_WEIGHTS[weights]
-    gguf = name is None or name == EMBEDDED or name.endswith(".gguf")
-    runs_int4 = device == "cpu" and int4.available()
     if weights == "int4":
-        if not gguf:
+        if not _is_gguf(name):
             raise LoadError("--weights int4 holds a GGUF target's own 4-bit weights: give a .gguf --target")
-        if not runs_int4:
+        if not _runs_int4(device):
             raise LoadError(f"--weights int4 runs on the CPU's int4 kernel: use --device cpu (got {device})")
         if dtype not in ("auto", "float32"):
             raise LoadError(f"--weights int4 keeps float32 activations around its 4-bit products; --dtype {dtype} "
@@ -187,10 +183,17 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
 def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu") -> bool:
     """Whether ``--weights auto`` chooses between int4 and floats for this target (by what ``fuzzyspec tune``
     measured): a llama GGUF with Q4_0/Q4_1 weights, on a CPU whose int4 kernel runs, with no --dtype given."""
+    return _is_gguf(name) and _runs_int4(device) and dtype == "auto" and _has_int4_linears(name)
+
+
+def _is_gguf(name: str | None) -> bool:
+    return name is None or name == EMBEDDED or name.endswith(".gguf")
+
+
+def _runs_int4(device: str) -> bool:
     from .core import int4
 
-    gguf = name is None or name == EMBEDDED or name.endswith(".gguf")
-    return gguf and device == "cpu" and int4.available() and dtype == "auto" and _has_int4_linears(name)
+    return device == "cpu" and int4.available()
 
 
 def _has_int4_linears(name: str | None) -> bool:

@@ -80,25 +80,18 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
         values = torch.cat([accepted.view(1), token.view(1), draft.tokens]).long()
         return Pending(values, lambda values: Verdict(list(range(values[0])), values[1], n, d, values[2:]))
     depth = max(draft.depths)
-    if rule == "sd" and sampling.greedy:  # the walk needs only p's argmax at every row
-        values = torch.cat([p.argmax(-1), draft.tokens]).long()
+    if rule == "sd":  # one read: p's argmax at every row (greedy), or every row's test decided at once (sampled)
+        ahead = p.argmax(-1) if sampling.greedy else decide_exactly(draft, p, generator)
+        known = ahead.shape[0]
 
         def finish(values: list[int]) -> Verdict:
-            drafted = values[n + 1:]
-            path, token = walk(rule, draft, p, None, config.threshold, True, argmax=values[: n + 1], tokens=drafted)
+            drafted, ahead = values[known:], values[:known]
+            path, token = walk(rule, draft, p, None, config.threshold, sampling.greedy, tokens=drafted,
+                               argmax=ahead if sampling.greedy else None,
+                               decisions=None if sampling.greedy else ahead)
             return Verdict(path, token, depth, None, drafted)
 
-        return Pending(values, finish)
-    if rule == "sd":  # sampled: every row's test decided at once on the device, the path followed after one read
-        decisions = decide_exactly(draft, p, generator)
-
-        def finish_sampled(values: list[int]) -> Verdict:
-            drafted = values[2 * (n + 1):]
-            path, token = walk(rule, draft, p, None, config.threshold, False, tokens=drafted,
-                               decisions=values[: 2 * (n + 1)])
-            return Verdict(path, token, depth, None, drafted)
-
-        return Pending(torch.cat([decisions, draft.tokens]).long(), finish_sampled)
+        return Pending(torch.cat([ahead, draft.tokens]).long(), finish)
     lazy = None
     if fuzzy:
         if draft.q is None:

@@ -189,6 +189,7 @@ class Sweep:
     progress: bool = True
     worker: tuple[int, int] = (0, 1)
     sharded: bool = False
+    leads: bool = field(init=False)  # reads and writes the folder and shows progress: not a follower rank
     task: Task = field(init=False)
     examples: list[Example] = field(init=False)
     _pairs: dict[str, ModelPair] = field(init=False, default_factory=dict)
@@ -203,7 +204,7 @@ class Sweep:
         self.out = Path(self.out)
         if self.sharded:
             parallel.start(self.settings.device)
-        self.leads = not self.sharded or parallel.rank() == 0  # reads and writes the folder, shows progress
+        self.leads = not self.sharded or parallel.rank() == 0
         self.progress = self.progress and self.leads
         self._on_leader(self._check_settings)
         self.task = get_task(self.settings.task, self.settings.data)
