@@ -1,10 +1,16 @@
-"""Writing a file whole: every file that another process may read or write at the same time goes through here."""
+"""Where fuzzyspec keeps what it makes once per machine (``cache_dir``), and writing a file whole: every file that
+another process may read or write at the same time goes through ``write_whole``."""
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
 from typing import Callable
+
+
+def cache_dir() -> Path:
+    """Where converted weights, profiles and built kernels live: $FUZZYSPEC_CACHE, else ~/.cache/fuzzyspec."""
+    return Path(os.environ.get("FUZZYSPEC_CACHE", Path.home() / ".cache" / "fuzzyspec"))
 
 
 def write_whole(path: Path, write: Callable[[Path], object]) -> None:

@@ -2,17 +2,16 @@
 
 ``load_int4`` builds a transformers ``LlamaForCausalLM`` on the meta device and fills it from the file:
 every decoder linear stored in Q4_0 or Q4_1 becomes a ``core.int4.Int4Linear`` holding the file's own
-codes (only each group's scale and offset are rounded to bfloat16, which the kernel takes); norms, the
-token embedding and any tensor in another format are dequantized to float32, exactly (Q8_0's
-d * q is exact in float32). An LM head stored in Q8_0 (a tied one is the embedding) becomes a
-``core.int4.Int8Linear``: its own 8-bit codes as two 4-bit halves on the same kernel, keeping the float
-rows for lookups and drafters.
+blocks (codes, float16 scales and minimums, exactly as stored); norms, the token embedding and any tensor
+in another format are dequantized to float32, exactly (Q8_0's d * q is exact in float32). An LM head stored
+in Q8_0 (a tied one is the embedding) becomes a ``core.int4.Int8Linear`` on its own 8-bit codes, keeping
+the float rows for lookups and drafters.
 
 Formats (ggml's blocks of 32 along the input dimension; in a 4-bit block element j is the low nibble of
 byte j and element j + 16 its high nibble):
 
-- Q4_0: 18 bytes: float16 d, 16 bytes of codes; w = d * (q - 8)  -> scale d, offset 0;
-- Q4_1: 20 bytes: float16 d, float16 m, 16 bytes of codes; w = d * q + m  -> scale d, offset m + 8 d;
+- Q4_0: 18 bytes: float16 d, 16 bytes of codes; w = d * (q - 8)  -> scale d, minimum -8 d (exact);
+- Q4_1: 20 bytes: float16 d, float16 m, 16 bytes of codes; w = d * q + m  -> scale d, minimum m;
 - Q8_0: 34 bytes: float16 d, 32 int8; w = d * q.
 
 llama.cpp's converter reorders the rows of the query and key projections (the two halves of each head's
@@ -23,14 +22,11 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Callable
-
 import numpy as np
 import torch
 from torch import nn
 
 from .core.int4 import GROUP, Int4Linear, Int8Linear, fuse_projections
-from .files import write_whole
 
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
 FOUR_BIT = {"Q4_0": 2, "Q4_1": 4}  # where a block's codes start
@@ -137,33 +133,32 @@ def _decode(raw: np.ndarray, kind: str) -> np.ndarray:
         return raw.view(np.float16).astype(np.float32)
     if kind == "Q8_0":
         codes, scales = eight_bit(raw)
-        return codes.astype(np.float32) * np.repeat(scales, GROUP, 1)
-    codes, scales, offsets = four_bit(raw, kind)
-    return (codes.astype(np.float32) - 8) * np.repeat(scales, GROUP, 1) + np.repeat(offsets, GROUP, 1)
+        return codes.astype(np.float32) * np.repeat(scales.astype(np.float32), GROUP, 1)
+    nibbles, scales, minimums = four_bit(raw, kind)
+    codes = np.stack([nibbles.reshape(len(raw), -1, GROUP // 2) & 0x0F,
+                      nibbles.reshape(len(raw), -1, GROUP // 2) >> 4], 2).reshape(len(raw), -1)
+    return codes * np.repeat(scales.astype(np.float32), GROUP, 1) + np.repeat(minimums.astype(np.float32), GROUP, 1)
 
 
 def eight_bit(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q8_0 rows -> codes int32 [N, K] (-128..127) and float32 scales [N, K/32]: w = code * scale."""
+    """Q8_0 rows -> codes int8 [N, K] and float16 scales [N, K/32]: w = code * scale."""
     blocks = raw.reshape(raw.shape[0], -1, 34)
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    return blocks[..., 2:].view(np.int8).reshape(raw.shape[0], -1).astype(np.int32), scales
+    return blocks[..., 2:].view(np.int8).reshape(raw.shape[0], -1), blocks[..., :2].copy().view(np.float16)[..., 0]
 
 
 def four_bit(raw: np.ndarray, kind: str, rows: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_0 or Q4_1 rows -> codes int32 [N, K] and float32 scales and offsets [N, K/32], such that
-    w = (code - 8) * scale + offset (the kernel's formula). ``rows``: an order for whole rows."""
+    """Q4_0 or Q4_1 rows -> their codes as stored, uint8 [N, K/2] (two a byte, see above), and float16 scales
+    and minimums [N, K/32], such that w = code * scale + minimum. ``rows``: an order for whole rows."""
     blocks = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[kind])
     if rows is not None:
         blocks = blocks[rows]
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q4_1":  # w = d q + m = d (q - 8) + (m + 8 d)
-        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scales
-    else:  # Q4_0 is centred already: w = d (q - 8)
-        offsets = np.zeros_like(scales)
-    nibbles = blocks[..., FOUR_BIT[kind]:]
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], -1).reshape(blocks.shape[0], -1).astype(np.int32)
-    return codes, scales, offsets
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q4_1":
+        minimums = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    else:  # Q4_0: w = d (q - 8); times 8 is exact in float16
+        minimums = scales * np.float16(-8)
+    return blocks[..., FOUR_BIT[kind]:].reshape(blocks.shape[0], -1), scales, minimums
 
 
 def rope_rows(count: int, heads: int) -> np.ndarray:
@@ -204,24 +199,15 @@ def int4_linears(gguf: GGUFFile) -> int:
                if name.startswith("blk.") and name.split(".")[2] in LINEARS)
 
 
-def load_int4(path: str | Path, packed_cache: Path | None = None,
-              on_packing: Callable[[], None] | None = None) -> nn.Module:
-    """A LlamaForCausalLM whose decoder linears run on the file's own 4-bit codes (see the module docstring).
-    ``packed_cache``: a file keeping the packed weights, so that later loads skip packing them (the packed
-    layout depends on the CPU and torch build: the caller keys the file by both). ``on_packing``: told once
-    the file has been read and packing (the slow part of a first load) begins."""
-    from safetensors.torch import load_file, save_file
+def load_int4(path: str | Path) -> nn.Module:
+    """A LlamaForCausalLM whose decoder linears run on the file's own 4-bit blocks (see the module docstring)."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
-    packed = load_file(packed_cache) if packed_cache is not None and packed_cache.is_file() else {}
-    made: dict[str, torch.Tensor] = {}
     gguf = GGUFFile(path)
     config = llama_config(gguf)
     if not int4_linears(gguf):
-        raise ValueError(f"{path} stores no decoder weight as Q4_0 or Q4_1, the int4 kernel's grid (Q4_K and others "
+        raise ValueError(f"{path} stores no decoder weight as Q4_0 or Q4_1, the int4 kernel's blocks (Q4_K and others "
                          "are not implemented): load it with --weights fp32")
-    if not packed and on_packing is not None:
-        on_packing()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     frozen = lambda tensor: nn.Parameter(tensor, requires_grad=False)  # noqa: E731
@@ -231,13 +217,8 @@ def load_int4(path: str | Path, packed_cache: Path | None = None,
             tensor = gguf.tensors[f"blk.{i}.{short}.weight"]
             rows = rope_rows(tensor.shape[0], heads[short]) if short in heads else None
             if tensor.kind in FOUR_BIT:
-                key = f"{i}.{where}"
-                if f"{key}.packed" in packed:
-                    module = Int4Linear(packed[f"{key}.packed"], packed[f"{key}.scales_and_offsets"])
-                else:
-                    codes, scales, offsets = four_bit(tensor.raw, tensor.kind, rows)
-                    module = Int4Linear.from_codes(*map(torch.from_numpy, (codes, scales, offsets)))
-                    made |= {f"{key}.packed": module.packed, f"{key}.scales_and_offsets": module.scales_and_offsets}
+                module = Int4Linear(*(torch.from_numpy(np.ascontiguousarray(part))
+                                      for part in four_bit(tensor.raw, tensor.kind, rows)))
             else:
                 module = nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, device="meta")
                 module.weight = frozen(gguf.floats(tensor.name, rows))
@@ -249,17 +230,9 @@ def load_int4(path: str | Path, packed_cache: Path | None = None,
     model.model.embed_tokens.weight = frozen(gguf.floats("token_embd.weight"))
     head = gguf.tensors["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
     weight = model.model.embed_tokens.weight if config.tie_word_embeddings else frozen(gguf.floats(head.name))
-    if head.kind == "Q8_0" and head.shape[0] % 16 == 0:  # read at its own 8.5 bits a weight, not float32's 32
-        if "lm_head.high.packed" in packed:
-            halves = [Int4Linear(packed[f"lm_head.{half}.packed"], packed[f"lm_head.{half}.scales_and_offsets"])
-                      for half in ("high", "low")]
-            model.lm_head = Int8Linear(*halves, weight, packed["lm_head.scales"])
-        else:
-            codes, scales = eight_bit(head.raw)
-            model.lm_head = Int8Linear.from_codes(torch.from_numpy(codes), torch.from_numpy(scales), weight)
-            made |= {f"lm_head.{half}.{name}": getattr(getattr(model.lm_head, half), name)
-                     for half in ("high", "low") for name in ("packed", "scales_and_offsets")}
-            made["lm_head.scales"] = model.lm_head.scales
+    if head.kind == "Q8_0":  # read at its own 8.5 bits a weight, not float32's 32
+        codes, scales = eight_bit(head.raw)
+        model.lm_head = Int8Linear(torch.from_numpy(codes.copy()), torch.from_numpy(scales), weight)
     else:
         model.lm_head.weight = weight
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta
@@ -268,7 +241,4 @@ def load_int4(path: str | Path, packed_cache: Path | None = None,
     if left:
         raise ValueError(f"{path}: no weights for {', '.join(left[:3])}")
     model.generation_config = GenerationConfig.from_model_config(config)
-    if made and packed_cache is not None:
-        # what was read from the cache, and what was missing from it
-        write_whole(packed_cache, lambda partial: save_file(packed | made, partial))
     return model.eval()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .files import write_whole
+from .files import cache_dir, write_whole
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,11 +34,6 @@ log = logging.getLogger("fuzzyspec")
 
 class LoadError(ValueError):
     """A model could not be loaded or paired; the message is meant for the user."""
-
-
-def cache_dir() -> Path:
-    """Where converted weights live: $FUZZYSPEC_CACHE, else ~/.cache/fuzzyspec."""
-    return Path(os.environ.get("FUZZYSPEC_CACHE", Path.home() / ".cache" / "fuzzyspec"))
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -154,7 +149,7 @@ def gguf_source(name: str | None) -> Path | None:
 def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", device: str = "cpu") -> str:
     """``int4`` or a float dtype: what ``weights`` asks for a target, checked before it loads.
 
-    ``auto`` holds a GGUF target at its own 4-bit bytes where the CPU int4 kernel runs them (on the CPU,
+    ``auto`` holds a GGUF target at its own 4-bit bytes where our int4 kernel runs them (on the CPU,
     unless ``--dtype`` names a float type, for a llama GGUF with Q4_0/Q4_1 weights) and ``fuzzyspec tune``
     has not measured a float form faster on this machine, and otherwise follows ``--dtype``."""
     if weights not in WEIGHTS:
@@ -166,8 +161,12 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
     if weights == "int4":
         if not _is_gguf(name):
             raise LoadError("--weights int4 holds a GGUF target's own 4-bit weights: give a .gguf --target")
-        if not _runs_int4(device):
+        if device != "cpu":
             raise LoadError(f"--weights int4 runs on the CPU's int4 kernel: use --device cpu (got {device})")
+        from .core import int4
+
+        if not int4.available():
+            raise LoadError(f"--weights int4 is not available: {int4.unavailable()}; use --weights fp32")
         if dtype not in ("auto", "float32"):
             raise LoadError(f"--weights int4 keeps float32 activations around its 4-bit products; --dtype {dtype} "
                             "does not apply")
@@ -183,17 +182,17 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
 def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu") -> bool:
     """Whether ``--weights auto`` chooses between int4 and floats for this target (by what ``fuzzyspec tune``
     measured): a llama GGUF with Q4_0/Q4_1 weights, on a CPU whose int4 kernel runs, with no --dtype given."""
-    return _is_gguf(name) and _runs_int4(device) and dtype == "auto" and _has_int4_linears(name)
+    return _is_gguf(name) and device == "cpu" and dtype == "auto" and _has_int4_linears(name) and _kernel_runs()
 
 
 def _is_gguf(name: str | None) -> bool:
     return name is None or name == EMBEDDED or name.endswith(".gguf")
 
 
-def _runs_int4(device: str) -> bool:
+def _kernel_runs() -> bool:
     from .core import int4
 
-    return device == "cpu" and int4.available()
+    return int4.available()
 
 
 def _has_int4_linears(name: str | None) -> bool:
@@ -280,24 +279,15 @@ def _check_shardable(model: PreTrainedModel) -> None:
 
 
 def _load_int4(name: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A GGUF target at its own 4-bit bytes, with its tokenizer (both cached after the first load)."""
-    import platform
-
+    """A GGUF target at its own 4-bit bytes, with its tokenizer (cached after the first load)."""
     from . import gguf
 
     path = gguf_source(name)
     if not path.is_file():
         raise LoadError(f"model file not found: {name}")
-    # The packed layout depends on the CPU's instruction set and on the torch build: the key names both.
-    stem = f"{path.stem}-{path.stat().st_size}"
-    packed = cache_dir() / "int4" / (f"{stem}-torch{torch.__version__}-{platform.machine()}-"
-                                     f"{cpu_isa().replace(',', '-')}.safetensors")
-    def packing() -> None:
-        print(f"fuzzyspec: first use on this CPU: packing {path.name}'s 4-bit weights for the int4 kernel (about "
-              f"10 s; kept in {packed.parent}) ...", file=sys.stderr, flush=True)
     try:
-        model = gguf.load_int4(path, packed, packing)
-        tokenizer = _gguf_tokenizer(path, stem)
+        model = gguf.load_int4(path)
+        tokenizer = _gguf_tokenizer(path, f"{path.stem}-{path.stat().st_size}")
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise LoadError(f"could not load model {str(name or EMBEDDED)!r} ({type(error).__name__}): "
@@ -336,7 +326,7 @@ ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")  # the exten
 
 def cpu_isa() -> str:
     """The CPU's instruction-set extensions among ``ISA`` (``avx2``, ``avx512_bf16``, ...): what decides how fast a
-    step is, and how the int4 kernel packs its weights."""
+    step is."""
     import platform
 
     flags = set(_cpu_flags())

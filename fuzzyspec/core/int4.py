@@ -1,72 +1,100 @@
-"""Linear layers on 4-bit weights, through PyTorch's own CPU int4 kernel.
+"""Linear layers on llama.cpp's own 4-bit and 8-bit weight blocks, through our AVX2 kernel.
 
-``aten._weight_int4pack_mm_for_cpu`` multiplies activations by a weight stored as 4-bit codes in groups
-of 32 consecutive inputs, each group with a scale and an offset::
+A weight row is blocks of 32 consecutive inputs. ``Int4Linear`` holds Q4_0/Q4_1's blocks as the file stores
+them: 16 bytes of 4-bit codes (element j the low nibble of byte j, element j + 16 its high nibble) with a
+float16 scale and minimum, W[n, k] = q[n, k] * scale[n, k // 32] + minimum[n, k // 32]. ``Int8Linear`` holds
+Q8_0's: int8 codes with a float16 scale, W = q * scale. So the weights are exactly the file's.
 
-    W[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n]        g = k // 32, q in 0..15
-
-which is exactly the grid of llama.cpp's Q4_0 and Q4_1 blocks (``gguf`` hands them over code for code).
-The kernel vectorises bfloat16 activations only, so inputs are cast to bfloat16 for the product and the
-result back to the caller's dtype. The packed byte layout depends on the CPU the kernel was built for,
-so codes are packed when a model loads, never stored packed.
+The products run in ``int4_kernel.cpp``, built on first use on a machine (``available``; kept under the
+fuzzyspec cache). As llama.cpp does, it rounds each token's activations to 8 bits per block of 32 and takes
+integer dot products with the codes; a token's result does not depend on the other tokens of its batch.
+It needs an x86 CPU with AVX2 and a C++ compiler; elsewhere the 4-bit forms are unavailable and floats serve.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import platform
+import sys
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-GROUP = 32  # inputs per quantization group (llama.cpp's block)
+from ..files import cache_dir
+
+GROUP = 32  # inputs per block (llama.cpp's)
+SOURCE = Path(__file__).with_name("int4_kernel.cpp")
 
 
-def pack(codes: Tensor) -> Tensor:
-    """Codes [N, K] (0..15, int32) -> the kernel's packed uint8 [N, K/2] for this CPU."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+@functools.cache
+def unavailable() -> str | None:
+    """Why the 4-bit kernel cannot run here, or None where it runs (building it on first use on a machine)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return f"the 4-bit kernel needs an x86 CPU with AVX2 (this is {platform.machine()})"
+    from torch.utils import cpp_extension
+
+    # The build is this source for this torch: a change to either builds anew, beside the old one.
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"fuzzyspec_int4_{digest}"
+    folder = cache_dir() / "kernels" / name
+    if not (folder / f"{name}.so").is_file():
+        print(f"fuzzyspec: first use on this machine: building the 4-bit kernel (about 15 s; kept in {folder}) ...",
+              file=sys.stderr, flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name, [str(SOURCE)], build_directory=str(folder), is_python_module=False,
+                           extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"])
+    except Exception as error:  # no compiler, no ninja, a failed build: each says so in its first line
+        lines = str(error).strip().splitlines()
+        return f"the 4-bit kernel could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"
+    for op in ("mm_q4", "mm_q8"):  # torch.compile traces the ops by what they return: x [..., K] -> [..., N]
+        torch.library.register_fake(f"fuzzyspec_int4::{op}")(
+            lambda x, codes, *scales: x.new_empty((*x.shape[:-1], codes.shape[0])))
+    return None
 
 
 def available() -> bool:
-    """Whether this torch build has the CPU int4 kernel."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    """Whether the 4-bit kernel runs on this machine (see ``unavailable`` for why not)."""
+    return unavailable() is None
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T (no bias) with W held as packed 4-bit codes and per-group (scale, offset) in bfloat16.
-    ``packed`` [N, K/2] is ``pack``'s; ``scales_and_offsets`` [K/32, N, 2] (the groups first, as the kernel
-    takes them)."""
+    """y = x @ W.T (no bias) for W held as Q4 blocks: ``nibbles`` uint8 [N, K/2] (per block of 32 inputs,
+    element j in the low nibble of byte j and element j + 16 in the high one), ``scales`` and ``minimums``
+    float16 [N, K/32]: W[n, k] = q[n, k] * scales[n, k // 32] + minimums[n, k // 32]."""
 
-    def __init__(self, packed: Tensor, scales_and_offsets: Tensor) -> None:
+    def __init__(self, nibbles: Tensor, scales: Tensor, minimums: Tensor) -> None:
         super().__init__()
-        self.out_features, self.in_features = scales_and_offsets.shape[1], packed.shape[1] * 2
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_offsets", scales_and_offsets.to(torch.bfloat16).contiguous())
+        self.out_features, self.in_features = nibbles.shape[0], nibbles.shape[1] * 2
+        if self.in_features % GROUP or scales.shape != (self.out_features, self.in_features // GROUP) \
+                or minimums.shape != scales.shape:
+            raise ValueError(f"an int4 weight needs inputs in blocks of {GROUP}, with one scale and minimum a block; "
+                             f"got codes {tuple(nibbles.shape)}, scales {tuple(scales.shape)}")
+        self.register_buffer("nibbles", nibbles.to(torch.uint8).contiguous())
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.register_buffer("minimums", minimums.to(torch.float16).contiguous())
 
     @classmethod
-    def from_codes(cls, codes: Tensor, scales: Tensor, offsets: Tensor) -> "Int4Linear":
-        """``codes`` [N, K] (0..15, int32); ``scales`` and ``offsets`` [N, K/32], so that
-        W[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + offsets[n, k // 32]."""
-        out_features, in_features = codes.shape
-        if in_features % GROUP or out_features % 16:
-            raise ValueError(f"an int4 weight needs inputs in groups of {GROUP} and outputs in multiples of 16, "
-                             f"got {out_features}x{in_features}")
-        return cls(pack(codes), torch.stack([scales, offsets], -1).transpose(0, 1))
+    def from_codes(cls, codes: Tensor, scales: Tensor, minimums: Tensor) -> "Int4Linear":
+        """``codes`` [N, K] (0..15); ``scales`` and ``minimums`` [N, K/32]."""
+        if codes.shape[1] % GROUP:
+            raise ValueError(f"an int4 weight needs inputs in blocks of {GROUP}, got {tuple(codes.shape)}")
+        blocks = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, GROUP // 2)
+        return cls((blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1), scales, minimums)
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_offsets)
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return torch.ops.fuzzyspec_int4.mm_q4(x, self.nibbles, self.scales, self.minimums)
 
     def codes(self) -> Tensor:
-        """The 4-bit codes [N, K] (int32), read back through the kernel itself."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
-        unit = torch.zeros_like(self.scales_and_offsets)
-        unit[..., 0], unit[..., 1] = 1.0, 8.0  # (q - 8) * 1 + 8 = q, exact in bfloat16
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, unit).T.round().to(torch.int32)
+        """The 4-bit codes [N, K] (int32)."""
+        blocks = self.nibbles.reshape(self.out_features, -1, 1, GROUP // 2).int()
+        return torch.cat([blocks & 0x0F, blocks >> 4], 2).reshape(self.out_features, self.in_features)
 
     def weight(self) -> Tensor:
-        """The float32 weight [N, K] the kernel multiplies by (for checks: a float copy of the weight)."""
-        scales, offsets = (self.scales_and_offsets[..., i].float().T.repeat_interleave(GROUP, 1) for i in (0, 1))
-        return (self.codes().float() - 8) * scales + offsets
+        """The float32 weight [N, K] (for checks: a float copy of the weight)."""
+        widen = lambda t: t.float().repeat_interleave(GROUP, 1)  # noqa: E731
+        return self.codes().float() * widen(self.scales) + widen(self.minimums)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
@@ -74,29 +102,17 @@ class Int4Linear(nn.Module):
 
 def fuse(linears: list[Int4Linear]) -> Int4Linear:
     """One layer computing every one of ``linears`` (same inputs) at once, their outputs side by side: one kernel
-    call where there were several (q, k and v; gate and up), which saves the per-call cost of each.
-
-    The layers keep working alone (transformers' own forward calls them). Where this CPU's packing lays out
-    blocks of output rows that the layers' sizes respect (a probe packs random codes of these sizes both ways),
-    the fused codes are the layers' packed bytes one after another, and each layer's ``packed`` becomes a view
-    into the fused one: no second copy of the codes. Otherwise the codes are read back and packed anew."""
-    scales = torch.cat([linear.scales_and_offsets for linear in linears], 1)
-    if not _rows_pack_apart(tuple(linear.out_features for linear in linears), linears[0].in_features):
-        return Int4Linear(pack(torch.cat([linear.codes() for linear in linears])), scales)
-    fused = Int4Linear(torch.cat([linear.packed for linear in linears]), scales)
+    call where there were several (q, k and v; gate and up), which saves the per-call cost of each. The layers
+    keep working alone (transformers' own forward calls them), on views of the fused layer's rows: the codes
+    are held once."""
+    fused = Int4Linear(*(torch.cat([getattr(linear, name) for linear in linears])
+                         for name in ("nibbles", "scales", "minimums")))
     start = 0
     for linear in linears:
-        linear.packed = fused.packed[start: start + linear.out_features]
+        for name in ("nibbles", "scales", "minimums"):
+            setattr(linear, name, getattr(fused, name)[start: start + linear.out_features])
         start += linear.out_features
     return fused
-
-
-@functools.cache
-def _rows_pack_apart(sizes: tuple[int, ...], in_features: int) -> bool:
-    """Whether layers of these output sizes, packed one after another, are packed as their rows together are
-    (a probe with random codes; asked once per shape, as every layer of a model repeats the same few)."""
-    probe = [torch.randint(0, 16, (size, in_features), dtype=torch.int32) for size in sizes]
-    return torch.equal(pack(torch.cat(probe)), torch.cat([pack(codes) for codes in probe]))
 
 
 def fuse_projections(model: nn.Module) -> None:
@@ -111,46 +127,31 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ W.T (no bias) for W = scale[n, k // 32] * q[n, k] with q in -128..127: llama.cpp's Q8_0, at its
-    own bytes. The int4 kernel does the products: q = 16 h + l with h in -8..7 and l in 0..15, so
+    """y = x @ W.T (no bias) for W = q[n, k] * scales[n, k // 32], llama.cpp's Q8_0 at its own bytes: ``codes``
+    int8 [N, K] and ``scales`` float16 [N, K/32]. ``weight`` is the float W (a tied model's embedding, which
+    lookups read anyway): checks compare with it."""
 
-        x @ W.T = x @ (16 scale h).T + x @ (scale l).T
-
-    two int4 layers of the same grid (h's codes h + 8 with scale 16 scale and offset 0; l's codes l with scale
-    ``scale`` and offset 8 scale), which together read the 8.5 bits per weight Q8_0 stores. ``weight`` is the
-    float W (a tied model's embedding, which lookups read anyway): drafters take their output rows from it
-    (``rows``), and checks compare with it."""
-
-    def __init__(self, high: Int4Linear, low: Int4Linear, weight: Tensor, scales: Tensor) -> None:
+    def __init__(self, codes: Tensor, scales: Tensor, weight: Tensor) -> None:
         super().__init__()
-        self.high, self.low = high, low
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
-        self.register_buffer("scales", scales)  # float32 [N, K/32]: recovers q from ``weight`` exactly
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = codes.shape
 
     @classmethod
     def from_codes(cls, codes: Tensor, scales: Tensor, weight: Tensor | None = None) -> "Int8Linear":
-        """``codes`` [N, K] int32 in -128..127, ``scales`` [N, K/32] float32; ``weight``: the float W if the
-        caller has it (else made here)."""
-        high = torch.div(codes, 16, rounding_mode="floor")
-        low = codes - 16 * high
-        zeros = torch.zeros_like(scales)
+        """``codes`` [N, K] in -128..127, ``scales`` [N, K/32]; ``weight``: the float W if the caller has it."""
         if weight is None:
-            weight = codes.float() * scales.repeat_interleave(GROUP, 1)
-        return cls(Int4Linear.from_codes(high + 8, 16 * scales, zeros), Int4Linear.from_codes(low, scales, 8 * scales),
-                   weight, scales)
+            weight = codes.float() * scales.to(torch.float16).float().repeat_interleave(GROUP, 1)
+        return cls(codes, scales, weight)
 
     def rows(self, index: Tensor) -> "Int8Linear":
-        """The layer of W's rows ``index`` (a drafter's reduced vocabulary), in the same form. W = scale * q is
-        exact in float32 (an 11-bit scale times an 8-bit code), so q is recovered exactly from it."""
-        scales = self.scales.index_select(0, index)
-        weight = self.weight.detach().index_select(0, index)
-        wide = scales.repeat_interleave(GROUP, 1)
-        codes = torch.where(wide == 0, 0, weight / torch.where(wide == 0, 1, wide)).round().to(torch.int32)
-        return Int8Linear.from_codes(codes, scales, weight)
+        """The layer of W's rows ``index`` (a drafter's reduced vocabulary), in the same form."""
+        return Int8Linear(self.codes.index_select(0, index), self.scales.index_select(0, index),
+                          self.weight.detach().index_select(0, index))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.high(x) + self.low(x)
+        return torch.ops.fuzzyspec_int4.mm_q8(x, self.codes, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, 8-bit"

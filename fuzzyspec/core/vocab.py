@@ -116,7 +116,7 @@ def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab) -> nn.Module:
     head's own form: an 8-bit head of a GGUF target gives 8-bit rows)."""
     from .int4 import Int8Linear
 
-    if isinstance(lm_head, Int8Linear) and len(vocab) % 16 == 0:
+    if isinstance(lm_head, Int8Linear):
         return lm_head.rows(vocab.target_ids.to(lm_head.weight.device))
     weight = lm_head.weight
     head = nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
