@@ -1,0 +1,118 @@
+"""Our 4-bit kernel (fuzzyspec/core/int4_kernel.cpp) against torch's own CPU int4 kernel, at the embedded target's shapes.
+
+For each product of SmolLM2-135M (q|k|v 960x576, o 576x576, gate|up 3072x576, down 576x1536; the Q8_0 LM head
+49152x576) and tokens M = 1, 6, 17: microseconds a call, each kernel on the same random weights, interleaved,
+median of --repeats; and a whole model's 120 layer products plus the head per token on 30 layers of distinct
+weights (so the weights stream from memory, as in decoding). Torch's kernel takes the weights as 4-bit codes with
+bfloat16 scales and offsets and bfloat16 activations (``aten._weight_int4pack_mm_for_cpu``); the head is two
+4-bit halves there (what fuzzyspec used before its own kernel). The error columns are each kernel's relative
+error against the float32 product with the same weights.
+
+Usage: python benchmarks/bench_int4_kernel.py [--threads 2] [--repeats 200]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fuzzyspec.core import int4
+from fuzzyspec.loading import cpu_isa
+
+SHAPES = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
+HEAD = (49152, 576)
+
+
+class TorchInt4:
+    """torch's int4 kernel on the same grid: W = (q - 8) * scale + offset, scale and offset in bfloat16."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> None:
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int().contiguous(), 1)
+        offsets = minimums.float() + 8 * scales.float()
+        self.scales = torch.stack([scales.float(), offsets], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales).float()
+
+
+class TorchInt8:
+    """torch's int4 kernel on a Q8_0 weight as two 4-bit halves (q = 16 h + l)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        high = torch.div(codes.int(), 16, rounding_mode="floor")
+        scales = scales.float()
+        self.high = TorchInt4(high + 8, 16 * scales, -128 * scales)
+        self.low = TorchInt4(codes.int() - 16 * high, scales, torch.zeros_like(scales))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.high(x) + self.low(x)
+
+
+def random_int4(out_features: int, in_features: int, generator: torch.Generator):
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.02).half()
+    minimums = (-torch.rand(out_features, in_features // 32, generator=generator) * 0.1).half()
+    return int4.Int4Linear.from_codes(codes, scales, minimums), TorchInt4(codes, scales, minimums)
+
+
+def random_int8(generator: torch.Generator):
+    codes = torch.randint(-127, 128, HEAD, generator=generator)
+    scales = (torch.rand(HEAD[0], HEAD[1] // 32, generator=generator) * 0.01).half()
+    return int4.Int8Linear.from_codes(codes, scales), TorchInt8(codes, scales)
+
+
+def timed(call, repeats: int) -> float:
+    """Median microseconds of ``call()``."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((y - reference).norm() / reference.norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not int4.available():
+        raise SystemExit(f"bench_int4_kernel: {int4.unavailable()}")
+    generator = torch.Generator().manual_seed(0)
+    print(f"bench_int4_kernel: {cpu_isa()}, {args.threads} threads, torch {torch.__version__}; "
+          f"us a call (median of {args.repeats}), ours against torch's int4 kernel")
+    print(f"  {'product':10} {'M':>3} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'ours err':>9} {'torch err':>9}")
+    layers = {name: random_int4(*shape, generator) for name, shape in SHAPES.items()}
+    head = random_int8(generator)
+    for name, (ours, theirs) in [*layers.items(), ("head Q8_0", head)]:
+        weight = ours.weight() if isinstance(ours, int4.Int4Linear) else ours.weight
+        for tokens in (1, 6, 17):
+            x = torch.randn(tokens, ours.in_features, generator=generator)
+            repeats = args.repeats if name != "head Q8_0" else max(args.repeats // 10, 5)
+            mine, torchs = timed(lambda: ours(x), repeats), timed(lambda: theirs(x), repeats)
+            reference = x @ weight.T
+            print(f"  {name:10} {tokens:3d} {mine:9.1f} {torchs:9.1f} {torchs / mine:7.2f}x "
+                  f"{error(ours(x), reference):9.4f} {error(theirs(x), reference):9.4f}")
+    # A token's products over 30 layers of distinct weights (about 60 MB of 4-bit codes) plus the head.
+    model = [[random_int4(*shape, generator) for shape in SHAPES.values()] for _ in range(30)]
+    inputs = {k: torch.randn(1, k, generator=generator) for k in (576, 1536)}
+    for label, pick in (("ours", 0), ("torch", 1)):
+        def token() -> None:
+            for layer in model:
+                for pair in layer:
+                    pair[pick](inputs[pair[0].in_features])
+            head[pick](inputs[576])
+        print(f"  one token's 120 layer products and the head ({label}): {timed(token, 20) / 1000:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
