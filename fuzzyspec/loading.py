@@ -182,17 +182,14 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
 def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu") -> bool:
     """Whether ``--weights auto`` chooses between int4 and floats for this target (by what ``fuzzyspec tune``
     measured): a llama GGUF with Q4_0/Q4_1 weights, on a CPU whose int4 kernel runs, with no --dtype given."""
-    return _is_gguf(name) and device == "cpu" and dtype == "auto" and _has_int4_linears(name) and _kernel_runs()
+    from .core import int4
+
+    # the kernel last: asking builds it on a machine's first use
+    return _is_gguf(name) and device == "cpu" and dtype == "auto" and _has_int4_linears(name) and int4.available()
 
 
 def _is_gguf(name: str | None) -> bool:
     return name is None or name == EMBEDDED or name.endswith(".gguf")
-
-
-def _kernel_runs() -> bool:
-    from .core import int4
-
-    return int4.available()
 
 
 def _has_int4_linears(name: str | None) -> bool:

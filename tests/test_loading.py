@@ -75,6 +75,17 @@ def test_the_weights_form_is_decided_before_loading(tmp_path):
     assert weight_form(str(unreadable)) == ("int4" if int4.available() else "auto")
 
 
+def test_where_the_4bit_kernel_cannot_run_auto_holds_floats_and_int4_says_why(monkeypatch):
+    from fuzzyspec.core import int4
+    from fuzzyspec.loading import weight_form
+
+    monkeypatch.setattr(int4, "unavailable", lambda: "the 4-bit kernel could not be built here (no compiler)")
+    assert weight_form(None) == "auto"  # floats, by --dtype auto
+    with pytest.raises(LoadError, match=r"^--weights int4 is not available: the 4-bit kernel could not be built here "
+                                        r"\(no compiler\); use --weights fp32$"):
+        weight_form(None, "int4")
+
+
 def test_auto_weights_follow_what_tune_measured_faster(tmp_path, monkeypatch):
     """Where `fuzzyspec tune` measured the dequantized float step faster than the int4 one on this machine,
     --weights auto holds floats; with no measurement, or int4 measured faster, it holds int4."""
