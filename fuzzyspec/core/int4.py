@@ -25,6 +25,9 @@ from ..files import cache_dir
 
 GROUP = 32  # inputs per block (llama.cpp's)
 SOURCE = Path(__file__).with_name("int4_kernel.cpp")
+# -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
+# -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 
 @functools.cache
@@ -34,8 +37,9 @@ def unavailable() -> str | None:
         return f"the 4-bit kernel needs an x86 CPU with AVX2 (this is {platform.machine()})"
     from torch.utils import cpp_extension
 
-    # The build is this source for this torch: a change to either builds anew, beside the old one.
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    # The build is this source, with these flags, for this torch: a change to any builds anew, beside the old one.
+    built_from = SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+    digest = hashlib.sha256(built_from).hexdigest()[:12]
     name = f"fuzzyspec_int4_{digest}"
     folder = cache_dir() / "kernels" / name
     if not (folder / f"{name}.so").is_file():
@@ -44,7 +48,7 @@ def unavailable() -> str | None:
     folder.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(name, [str(SOURCE)], build_directory=str(folder), is_python_module=False,
-                           extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"])
+                           extra_cflags=FLAGS)
     except Exception as error:  # no compiler, no ninja, a failed build: each says so in its first line
         lines = str(error).strip().splitlines()
         return f"the 4-bit kernel could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"

@@ -12,6 +12,8 @@
 // AVX2 multiplies unsigned by signed bytes (maddubs), which Q4's codes are; Q8's signed codes give their
 // sign to the activations instead. Pair sums stay below int16's limit (2 * 128 * 127).
 //
+// Threads (at::parallel_for, torch's OpenMP pool) take tiles of four weight rows.
+//
 // Every output is computed by the same sequence of float operations whatever the number of tokens and
 // rows around it (no fused multiply-adds chosen by the compiler: -ffp-contract=off), so a token's result
 // does not depend on the batch it came in: a verification step gives the logits a single step would.
@@ -40,7 +42,8 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// Rows of x [M, K] -> int8 codes [M, K], block scales e [M, K/32] and e * sum(codes) [M, K/32].
+// Rows of x [M, K] -> int8 codes [M, K], block scales e [M, K/32, 8] (each written 8 times, as the vector the
+// products multiply by) and e * sum(codes) [M, K/32].
 void quantize(const float* x, int64_t blocks, int8_t* codes, float* scale, float* scaled_sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleaving
@@ -57,7 +60,7 @@ void quantize(const float* x, int64_t blocks, int8_t* codes, float* scale, float
     const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i * 32), _mm256_permutevar8x32_epi32(bytes, order));
-    scale[i] = e;
+    _mm256_storeu_ps(scale + i * 8, _mm256_set1_ps(e));
     scaled_sum[i] = e * hsum(_mm256_cvtepi32_ps(total));
   }
 }
@@ -94,7 +97,9 @@ struct Eight {  // Q8: signed codes, whose signs move to the activations
   static constexpr int64_t bytes = 32;
   static constexpr int rows_at_once = 1;
   static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static __m256i pairs(__m256i w, __m256i a) { return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
+  static __m256i pairs(__m256i w, __m256i a) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+  }
 };
 
 struct Operands {
@@ -102,7 +107,7 @@ struct Operands {
   const at::Half* scales;                     // [N, blocks]
   const at::Half* minimums;                   // [N, blocks], or null (Q8)
   const int8_t* x;                            // activation codes [M, K]
-  const float* x_scale;                       // [M, blocks]
+  const float* x_scale;                       // [M, blocks, 8]
   const float* x_sum;                         // [M, blocks]
   float* out;                                 // [M, N]
   int64_t blocks, N;
@@ -122,13 +127,18 @@ void tile(const Operands& o, int64_t n, int64_t t) {
     for (int i = 0; i < TN; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[RN];
-    for (int r = 0; r < RN; ++r) w[r] = Format::load(o.codes + ((n + r) * nb + b) * Format::bytes);
+    __m256 d[RN];
+    for (int r = 0; r < RN; ++r) {
+      w[r] = Format::load(o.codes + ((n + r) * nb + b) * Format::bytes);
+      d[r] = _mm256_set1_ps(scale[r][b]);
+    }
     for (int i = 0; i < TN; ++i) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o.x + ((t + i) * nb + b) * 32));
-      const float e = o.x_scale[(t + i) * nb + b];
+      const int64_t block = (t + i) * nb + b;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o.x + block * 32));
+      const __m256 e = _mm256_loadu_ps(o.x_scale + block * 8);  // the block's scale in every lane
       for (int r = 0; r < RN; ++r) {
         const __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(Format::pairs(w[r], a), ones));
-        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[r][b] * e), products, acc[r][i]);
+        acc[r][i] = _mm256_fmadd_ps(_mm256_mul_ps(d[r], e), products, acc[r][i]);
       }
     }
   }
@@ -170,7 +180,7 @@ at::Tensor product(const at::Tensor& input, const at::Tensor& codes, const at::T
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out.view(shape).to(input.scalar_type());
   std::vector<int8_t> xq(M * K);
-  std::vector<float> x_scale(M * nb), x_sum(M * nb);
+  std::vector<float> x_scale(M * nb * 8), x_sum(M * nb);
   quantize(x.data_ptr<float>(), M * nb, xq.data(), x_scale.data(), x_sum.data());
   const at::Half* mins = nullptr;
   if (minimums.has_value()) {
