@@ -45,11 +45,11 @@ def unavailable() -> str | None:
     if not (folder / f"{name}.so").is_file():
         print(f"fuzzyspec: first use on this machine: building the 4-bit kernel (about 15 s; kept in {folder}) ...",
               file=sys.stderr, flush=True)
-    folder.mkdir(parents=True, exist_ok=True)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name, [str(SOURCE)], build_directory=str(folder), is_python_module=False,
                            extra_cflags=FLAGS)
-    except Exception as error:  # no compiler, no ninja, a failed build: each says so in its first line
+    except Exception as error:  # no compiler, no ninja, an unwritable cache, a failed build: each says so first
         lines = str(error).strip().splitlines()
         return f"the 4-bit kernel could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"
     for op in ("mm_q4", "mm_q8"):  # torch.compile traces the ops by what they return: x [..., K] -> [..., N]
