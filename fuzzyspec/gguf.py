@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
@@ -134,10 +135,8 @@ def _decode(raw: np.ndarray, kind: str) -> np.ndarray:
     if kind == "Q8_0":
         codes, scales = eight_bit(raw)
         return codes.astype(np.float32) * np.repeat(scales.astype(np.float32), GROUP, 1)
-    nibbles, scales, minimums = four_bit(raw, kind)
-    codes = np.stack([nibbles.reshape(len(raw), -1, GROUP // 2) & 0x0F,
-                      nibbles.reshape(len(raw), -1, GROUP // 2) >> 4], 2).reshape(len(raw), -1)
-    return codes * np.repeat(scales.astype(np.float32), GROUP, 1) + np.repeat(minimums.astype(np.float32), GROUP, 1)
+    # the layer's own float weight: one place knows the nibble layout and computes code * scale + minimum
+    return Int4Linear(*(torch.from_numpy(np.ascontiguousarray(part)) for part in four_bit(raw, kind))).weight().numpy()
 
 
 def eight_bit(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

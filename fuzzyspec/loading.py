@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .core import int4
 from .files import cache_dir, write_whole
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -163,8 +164,6 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
             raise LoadError("--weights int4 holds a GGUF target's own 4-bit weights: give a .gguf --target")
         if device != "cpu":
             raise LoadError(f"--weights int4 runs on the CPU's int4 kernel: use --device cpu (got {device})")
-        from .core import int4
-
         if not int4.available():
             raise LoadError(f"--weights int4 is not available: {int4.unavailable()}; use --weights fp32")
         if dtype not in ("auto", "float32"):
@@ -182,8 +181,6 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
 def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu") -> bool:
     """Whether ``--weights auto`` chooses between int4 and floats for this target (by what ``fuzzyspec tune``
     measured): a llama GGUF with Q4_0/Q4_1 weights, on a CPU whose int4 kernel runs, with no --dtype given."""
-    from .core import int4
-
     # the kernel last: asking builds it on a machine's first use
     return _is_gguf(name) and device == "cpu" and dtype == "auto" and _has_int4_linears(name) and int4.available()
 
