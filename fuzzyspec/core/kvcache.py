@@ -17,6 +17,9 @@ Two rules keep compiled steps fast and safe:
 """
 from __future__ import annotations
 
+import inspect
+from typing import Callable
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
@@ -129,3 +132,9 @@ def model_mask(model: torch.nn.Module, allowed: Tensor) -> Tensor:
             ~allowed, torch.finfo(dtype).min)
     raise ValueError(f"trees and batching need custom attention masks, which {implementation!r} attention does "
                      "not take: load the model with attn_implementation='sdpa' or 'eager'")
+
+
+def cache_keyword(function: Callable) -> str:
+    """What ``function`` (a transformers model's or layer's forward, or its mask maker) calls its KV cache
+    argument: ``cache`` from transformers 5.24 on, ``past_key_values`` before (still taken, with a warning)."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"

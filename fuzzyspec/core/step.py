@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cost import Profile
-from .kvcache import StaticCache
+from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
 
 Features = dict[int, Tensor]
@@ -180,6 +180,7 @@ class HFForward(nn.Module):
                              "take: load the model with attn_implementation='sdpa' or 'eager'")
         self.model, self.additive = model, implementation == "eager"
         self.layer_count = model.config.num_hidden_layers
+        self.cache_keyword = cache_keyword(model.forward)
         # transformers repeats the kv heads of grouped-query attention before SDPA whenever a mask is given
         # (a copy of each layer's cache per step) unless told to let SDPA share them.
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
@@ -193,7 +194,7 @@ class HFForward(nn.Module):
         if self.additive:  # eager attention adds the mask to the scores
             dtype = next(self.model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=positioned,
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, **{self.cache_keyword: positioned},
                          use_cache=True, logits_to_keep=keep, output_hidden_states=bool(features))
         found = {i: out.hidden_states[i] for i in features} if features else {}
         return out.logits, found

@@ -31,11 +31,12 @@ from torch import Tensor, nn
 from transformers import AutoConfig, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from ..core.kvcache import model_mask
+from ..core.kvcache import cache_keyword, model_mask
 from ..core.vocab import DraftVocab
 from .draftlm import cut_layers
 
 _MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
+_MASK_CACHE = cache_keyword(create_causal_mask)
 
 
 def head_config(target_config: PretrainedConfig, bias: bool = True) -> PretrainedConfig:
@@ -59,6 +60,7 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer_class(config, layer_idx=0)])
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = rotary_class(config=config)
+        self.cache_keyword = cache_keyword(layer_class.forward)
         self.vocab: DraftVocab | None = None  # a reduced draft vocabulary: the target's LM head rows it reads
 
     @classmethod
@@ -81,10 +83,10 @@ class EagleHead(nn.Module):
             if _MASK_TAKES_CACHE_POSITION else {}
         if mask is None:
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                      past_key_values=cache, position_ids=positions, **extra)
+                                      position_ids=positions, **{_MASK_CACHE: cache}, **extra)
         else:
             mask = model_mask(self, mask)
-        return self.layers[0](hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        return self.layers[0](hidden, attention_mask=mask, position_ids=positions, **{self.cache_keyword: cache},
                               use_cache=cache is not None, position_embeddings=self.rotary_emb(hidden, positions),
                               **extra)
 

@@ -6,7 +6,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from ..core.draft import BaseDrafter, Budget, Draft
-from ..core.kvcache import crop_to
+from ..core.kvcache import cache_keyword, crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import DraftVocab
 from .chain import common_prefix, draft_chain
@@ -24,6 +24,7 @@ class ModelDrafter(BaseDrafter):
         """``vocab``: the id map of a reduced LM head (its logits then cover those N tokens only)."""
         super().__init__()
         self.model = model
+        self.cache_keyword = cache_keyword(model.forward)
         self.vocab_size = vocab_size
         self.vocab = vocab
         self.reset()
@@ -52,7 +53,7 @@ class ModelDrafter(BaseDrafter):
         fed: list[Tensor] = []  # drafted tokens fed to the model (all but the last, unless drafting stopped early)
 
         def forward(feed: Tensor) -> Tensor:
-            out = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=feed, **{self.cache_keyword: self.cache}, use_cache=True, logits_to_keep=1)
             self.forwards += 1
             logits = out.logits[:, -1]
             return logits if self.vocab is not None else logits[:, : self.vocab_size]
