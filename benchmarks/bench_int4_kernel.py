@@ -88,7 +88,7 @@ def main() -> None:
     if not int4.available():
         raise SystemExit(f"bench_int4_kernel: {int4.unavailable()}")
     generator = torch.Generator().manual_seed(0)
-    print(f"bench_int4_kernel: {cpu_isa()}, {args.threads} threads, torch {torch.__version__}; "
+    print(f"bench_int4_kernel: {cpu_isa()} (kernel built for {int4.isa()}), {args.threads} threads, torch {torch.__version__}; "
           f"us a call (median of {args.repeats}), ours against torch's int4 kernel")
     print(f"  {'product':10} {'M':>3} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'ours err':>9} {'torch err':>9}")
     layers = {name: random_int4(*shape, generator) for name, shape in SHAPES.items()}

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core.int4 import GROUP, Int4Linear, Int8Linear, fuse_projections
+from .core.int4 import GROUP, Int4Linear, Int8Linear, dequantize, fuse_projections, nibble_codes
 
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
 FOUR_BIT = {"Q4_0": 2, "Q4_1": 4}  # where a block's codes start
@@ -136,7 +136,8 @@ def _decode(raw: np.ndarray, kind: str) -> np.ndarray:
         codes, scales = eight_bit(raw)
         return codes.astype(np.float32) * np.repeat(scales.astype(np.float32), GROUP, 1)
     # the layer's own float weight: one place knows the nibble layout and computes code * scale + minimum
-    return Int4Linear(*(torch.from_numpy(np.ascontiguousarray(part)) for part in four_bit(raw, kind))).weight().numpy()
+    nibbles, scales, minimums = (torch.from_numpy(np.ascontiguousarray(part)) for part in four_bit(raw, kind))
+    return dequantize(nibble_codes(nibbles), scales, minimums).numpy()
 
 
 def eight_bit(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

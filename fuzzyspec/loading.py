@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def _cpu_has_bf16() -> bool:
-    flags = _cpu_flags()
+    flags = int4.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -306,15 +306,6 @@ def _gguf_tokenizer(path: Path, stem: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(folder)
 
 
-@functools.cache
-def _cpu_flags() -> tuple[str, ...]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    return next((tuple(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), ())
-
-
 ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")  # the extensions that decide a step's speed
 
 
@@ -323,8 +314,7 @@ def cpu_isa() -> str:
     step is."""
     import platform
 
-    flags = set(_cpu_flags())
-    return ",".join(flag for flag in ISA if flag in flags) or platform.machine()
+    return ",".join(flag for flag in ISA if flag in int4.cpu_flags()) or platform.machine()
 
 
 def shipped(kind: str) -> Path:

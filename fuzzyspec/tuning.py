@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from .core import int4
 from .core.cost import Acceptance, Option, Profile, plan
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
@@ -41,7 +42,7 @@ def profile_key(target: str | None, weights: str, dtype: str, device: str, compi
     decides the weights form (``int4`` or the torch dtype), so it is known before anything loads. A target
     sharded over ``shards`` tensor-parallel ranks has its own profile (its steps pay for collectives)."""
     form = weight_form(target, weights, dtype, device)
-    form = form if form == "int4" else str(resolve_dtype(form, device))
+    form = f"int4 ({int4.isa()})" if form == "int4" else str(resolve_dtype(form, device))
     sharded = [f"tp={shards}"] if shards > 1 else []
     return "|".join([str(target or EMBEDDED), form, device, *_here(), *sharded, "compiled" if compiled else "eager"])
 

@@ -71,7 +71,7 @@ def test_the_embedded_target_holds_its_own_4bit_weights():
     assert linears == 7 * model.config.num_hidden_layers
     # q, k and v (and gate and up) also run as one product, over the same codes (no second copy)
     attention, mlp = model.model.layers[3].self_attn, model.model.layers[3].mlp
-    assert attention.k_proj.nibbles.untyped_storage().data_ptr() == attention.qkv_proj.nibbles.untyped_storage().data_ptr()
+    assert attention.k_proj.packed.untyped_storage().data_ptr() == attention.qkv_proj.packed.untyped_storage().data_ptr()
     x = torch.randn(3, model.config.hidden_size)
     assert torch.equal(attention.qkv_proj(x), torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], -1))
     assert torch.equal(mlp.gate_up_proj(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
@@ -79,5 +79,5 @@ def test_the_embedded_target_holds_its_own_4bit_weights():
     assert torch.equal(model.model.norm.weight, reference["model.norm.weight"])
     # the tied Q8_0 head is read at its own 8-bit codes, its float rows being the embedding's
     assert isinstance(model.lm_head, int4.Int8Linear) and model.lm_head.weight is model.model.embed_tokens.weight
-    codes = model.lm_head.codes.float() * model.lm_head.scales.float().repeat_interleave(int4.GROUP, 1)
+    codes = model.lm_head.codes().float() * model.lm_head.scales().float().repeat_interleave(int4.GROUP, 1)
     assert torch.equal(codes, reference["model.embed_tokens.weight"])

@@ -116,6 +116,7 @@ def test_tune_compares_weights_again_whichever_form_auto_holds(tmp_path, monkeyp
     if not int4.available():
         pytest.skip("this torch build has no CPU int4 kernel")
     monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(loading, "_cpu_has_bf16", lambda: False)  # the float form is float32 on any CPU here
     tuning.note(tuning.weights_key(None, "cpu"), fastest_weights="fp32", int4_ms=40.0, float_ms=30.0)
     assert weight_form(None) == "float32" and auto_may_hold_int4(None)
     loaded = []

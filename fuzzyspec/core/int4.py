@@ -1,19 +1,22 @@
-"""Linear layers on llama.cpp's own 4-bit and 8-bit weight blocks, through our AVX2 kernel.
+"""Linear layers on llama.cpp's own 4-bit and 8-bit weight blocks, through our kernel.
 
-A weight row is blocks of 32 consecutive inputs. ``Int4Linear`` holds Q4_0/Q4_1's blocks as the file stores
-them: 16 bytes of 4-bit codes (element j the low nibble of byte j, element j + 16 its high nibble) with a
-float16 scale and minimum, W[n, k] = q[n, k] * scale[n, k // 32] + minimum[n, k // 32]. ``Int8Linear`` holds
-Q8_0's: int8 codes with a float16 scale, W = q * scale. So the weights are exactly the file's.
+A weight row is blocks of 32 consecutive inputs. ``Int4Linear`` holds Q4_0/Q4_1's blocks: 4-bit codes with a
+float16 scale and minimum per block, W[n, k] = q[n, k] * scale[n, k // 32] + minimum[n, k // 32].
+``Int8Linear`` holds Q8_0's: int8 codes with a float16 scale, W = q * scale. So the weights are exactly the
+file's; only their order changes: the kernel reads rows in groups of 16, each block's codes of the 16 rows
+interleaved four at a time (``pack_four``, ``pack_eight``; the layout is described in ``int4_kernel.cpp``).
 
 The products run in ``int4_kernel.cpp``, built on first use on a machine (``available``; kept under the
-fuzzyspec cache). As llama.cpp does, it rounds each token's activations to 8 bits per block of 32 and takes
-integer dot products with the codes; a token's result does not depend on the other tokens of its batch.
-It needs an x86 CPU with AVX2 and a C++ compiler; elsewhere the 4-bit forms are unavailable and floats serve.
+fuzzyspec cache) for the widest instructions it has (``isa``). As llama.cpp does, it rounds each token's
+activations to 8 bits per block of 32 and takes integer dot products with the codes; a token's result does not
+depend on the other tokens of its batch. It needs an x86 CPU with AVX2 and a C++ compiler; elsewhere the 4-bit
+forms are unavailable and floats serve.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import sys
 from pathlib import Path
@@ -24,10 +27,44 @@ from torch import Tensor, nn
 from ..files import cache_dir
 
 GROUP = 32  # inputs per block (llama.cpp's)
+ROWS = 16  # weight rows per packed group (the kernel's)
 SOURCE = Path(__file__).with_name("int4_kernel.cpp")
 # -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
 # -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+# Wider instructions where the CPU has them (the kernel's #if blocks): VNNI's one-instruction byte multiply-adds,
+# in 256 bits (AVX-VNNI: 8 rows a register) or 512 (AVX-512: a whole group of 16 rows)
+ISA_FLAGS = {
+    "avx512-vnni": {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
+                    "avx512_vnni": "-mavx512vnni"},
+    "avx-vnni": {"avx_vnni": "-mavxvnni"},
+    "avx2": {},
+}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+                          ()))
+
+
+@functools.cache
+def isa() -> str:
+    """The instructions the kernel is built for here: the first of ``ISA_FLAGS`` whose flags the CPU has all of.
+    FUZZYSPEC_INT4_ISA (avx-vnni or avx2) holds a wider machine to a narrower build, to compare them."""
+    names = list(ISA_FLAGS)
+    asked = os.environ.get("FUZZYSPEC_INT4_ISA", "").lower()
+    allowed = names[names.index(asked):] if asked in names else names
+    return next(name for name in allowed if set(ISA_FLAGS[name]) <= cpu_flags())
+
+
+def build_flags() -> list[str]:
+    return FLAGS + list(ISA_FLAGS[isa()].values())
 
 
 @functools.cache
@@ -38,7 +75,8 @@ def unavailable() -> str | None:
     from torch.utils import cpp_extension
 
     # The build is this source, with these flags, for this torch: a change to any builds anew, beside the old one.
-    built_from = SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+    flags = build_flags()
+    built_from = SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()
     digest = hashlib.sha256(built_from).hexdigest()[:12]
     name = f"fuzzyspec_int4_{digest}"
     folder = cache_dir() / "kernels" / name
@@ -48,13 +86,13 @@ def unavailable() -> str | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name, [str(SOURCE)], build_directory=str(folder), is_python_module=False,
-                           extra_cflags=FLAGS)
+                           extra_cflags=flags)
     except Exception as error:  # no compiler, no ninja, an unwritable cache, a failed build: each says so first
         lines = str(error).strip().splitlines()
         return f"the 4-bit kernel could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"
     for op in ("mm_q4", "mm_q8"):  # torch.compile traces the ops by what they return: x [..., K] -> [..., N]
         torch.library.register_fake(f"fuzzyspec_int4::{op}")(
-            lambda x, codes, *scales: x.new_empty((*x.shape[:-1], codes.shape[0])))
+            lambda x, packed: x.new_empty((*x.shape[:-1], packed.shape[0] * ROWS)))
     return None
 
 
@@ -63,10 +101,73 @@ def available() -> bool:
     return unavailable() is None
 
 
+def nibble_codes(nibbles: Tensor) -> Tensor:
+    """GGUF's Q4 nibbles [N, K/2] (per block of 32 inputs, element j in the low nibble of byte j and element
+    j + 16 in the high one) -> the codes [N, K] (int32, 0..15)."""
+    blocks = nibbles.reshape(nibbles.shape[0], -1, 1, GROUP // 2).int()
+    return torch.cat([blocks & 0x0F, blocks >> 4], 2).reshape(nibbles.shape[0], -1)
+
+
+def dequantize(codes: Tensor, scales: Tensor, minimums: Tensor | None = None) -> Tensor:
+    """The float32 weight q * scale (+ minimum) of codes [N, K] with per-block scales (minimums) [N, K/32]."""
+    weight = codes.float() * scales.float().repeat_interleave(GROUP, 1)
+    return weight if minimums is None else weight + minimums.float().repeat_interleave(GROUP, 1)
+
+
+def _grouped(t: Tensor) -> Tensor:
+    """[N, ...] -> [N/16, 16, ...], padded with zero rows to a multiple of 16."""
+    padding = -t.shape[0] % ROWS
+    if padding:
+        t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
+    return t.reshape(-1, ROWS, *t.shape[1:])
+
+
+def _per_block(values: Tensor) -> Tensor:
+    """[N, K/32] of one value per row and block -> [N/16, K/32, bytes]: each block's 16 rows' values, as bytes."""
+    return _grouped(values).transpose(1, 2).contiguous().view(torch.uint8).reshape(
+        -(-values.shape[0] // ROWS), values.shape[1], -1)
+
+
+def pack_four(codes: Tensor, scales: Tensor, minimums: Tensor) -> Tensor:
+    """Q4 codes [N, K] (0..15), float16 scales and minimums [N, K/32] -> the kernel's bytes [N/16, K/32, 320]: per
+    group of 16 rows and block, for j = 0..3, 64 bytes holding row i's codes 4j..4j+3 in the low nibbles and
+    16+4j..16+4j+3 in the high ones (byte 4i + c), then the 16 scales and the 16 minimums."""
+    blocks = _grouped(codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, 4, 4))  # [G, 16, b, half, j, c]
+    nibbles = (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, j, 16, c]
+    nibbles = nibbles.reshape(*nibbles.shape[:2], -1)
+    return torch.cat([nibbles, _per_block(scales.to(torch.float16)), _per_block(minimums.to(torch.float16))],
+                     -1).contiguous()
+
+
+def pack_eight(codes: Tensor, scales: Tensor) -> Tensor:
+    """Q8 codes [N, K] (-128..127) and float16 scales [N, K/32] -> the kernel's bytes [N/16, K/32, 608]: per group
+    of 16 rows and block, for j = 0..7, 64 bytes holding row i's codes 4j..4j+3 (byte 4i + c), then the 16
+    scales, then the 16 rows' code sums (int32, which the AVX-512 path needs)."""
+    blocks = _grouped(codes.to(torch.int8).reshape(codes.shape[0], -1, 8, 4))  # [G, 16, b, j, c]
+    interleaved = blocks.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
+    sums = codes.to(torch.int32).reshape(codes.shape[0], -1, GROUP).sum(-1, dtype=torch.int32)
+    return torch.cat([interleaved.reshape(*interleaved.shape[:2], -1), _per_block(scales.to(torch.float16)),
+                      _per_block(sums)], -1).contiguous()
+
+
+def _unpack_codes(packed: Tensor, rows: int, per_chunk: int) -> Tensor:
+    """The codes bytes of ``packed`` [G, b, bytes] back to [rows, b, per_chunk, 4] (row-major, unpadded)."""
+    codes = packed[:, :, : per_chunk * 64].reshape(packed.shape[0], packed.shape[1], per_chunk, ROWS, 4)
+    return codes.permute(0, 3, 1, 2, 4).reshape(-1, packed.shape[1], per_chunk, 4)[:rows]
+
+
+def _unpack_values(packed: Tensor, rows: int, start: int, dtype: torch.dtype) -> Tensor:
+    """[rows, b] values of ``dtype`` stored per block at byte ``start`` of ``packed`` [G, b, bytes]."""
+    size = ROWS * torch.empty((), dtype=dtype).element_size()
+    values = packed[:, :, start: start + size].contiguous().view(dtype)  # [G, b, 16]
+    return values.transpose(1, 2).reshape(-1, packed.shape[1])[:rows]
+
+
 class Int4Linear(nn.Module):
-    """y = x @ W.T (no bias) for W held as Q4 blocks: ``nibbles`` uint8 [N, K/2] (per block of 32 inputs,
-    element j in the low nibble of byte j and element j + 16 in the high one), ``scales`` and ``minimums``
-    float16 [N, K/32]: W[n, k] = q[n, k] * scales[n, k // 32] + minimums[n, k // 32]."""
+    """y = x @ W.T (no bias) for W held as Q4 blocks, W[n, k] = q[n, k] * scale[n, k // 32] + minimum[n, k // 32].
+    Made from GGUF's own bytes: ``nibbles`` uint8 [N, K/2] (per block of 32 inputs, element j in the low nibble
+    of byte j and element j + 16 in the high one), ``scales`` and ``minimums`` float16 [N, K/32]; held packed
+    for the kernel (``packed``, [ceil(N/16), K/32, 320] bytes)."""
 
     def __init__(self, nibbles: Tensor, scales: Tensor, minimums: Tensor) -> None:
         super().__init__()
@@ -75,9 +176,16 @@ class Int4Linear(nn.Module):
                 or minimums.shape != scales.shape:
             raise ValueError(f"an int4 weight needs inputs in blocks of {GROUP}, with one scale and minimum a block; "
                              f"got codes {tuple(nibbles.shape)}, scales {tuple(scales.shape)}")
-        self.register_buffer("nibbles", nibbles.to(torch.uint8).contiguous())
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())
-        self.register_buffer("minimums", minimums.to(torch.float16).contiguous())
+        self.register_buffer("packed", pack_four(nibble_codes(nibbles), scales, minimums))
+
+    @classmethod
+    def packed_as(cls, packed: Tensor, out_features: int, in_features: int) -> "Int4Linear":
+        """A layer on bytes already packed (``pack_four``)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.register_buffer("packed", packed)
+        layer.out_features, layer.in_features = out_features, in_features
+        return layer
 
     @classmethod
     def from_codes(cls, codes: Tensor, scales: Tensor, minimums: Tensor) -> "Int4Linear":
@@ -88,17 +196,23 @@ class Int4Linear(nn.Module):
         return cls((blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1), scales, minimums)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.fuzzyspec_int4.mm_q4(x, self.nibbles, self.scales, self.minimums)
+        y = torch.ops.fuzzyspec_int4.mm_q4(x, self.packed)
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
     def codes(self) -> Tensor:
         """The 4-bit codes [N, K] (int32)."""
-        blocks = self.nibbles.reshape(self.out_features, -1, 1, GROUP // 2).int()
-        return torch.cat([blocks & 0x0F, blocks >> 4], 2).reshape(self.out_features, self.in_features)
+        nibbles = _unpack_codes(self.packed, self.out_features, 4).int()  # [N, b, j, c]: codes 4j+c | 16+4j+c
+        return torch.stack([nibbles & 0x0F, nibbles >> 4], 2).reshape(self.out_features, self.in_features)
+
+    def scales(self) -> Tensor:
+        return _unpack_values(self.packed, self.out_features, 256, torch.float16)
+
+    def minimums(self) -> Tensor:
+        return _unpack_values(self.packed, self.out_features, 288, torch.float16)
 
     def weight(self) -> Tensor:
         """The float32 weight [N, K] (for checks: a float copy of the weight)."""
-        widen = lambda t: t.float().repeat_interleave(GROUP, 1)  # noqa: E731
-        return self.codes().float() * widen(self.scales) + widen(self.minimums)
+        return dequantize(self.codes(), self.scales(), self.minimums())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
@@ -107,55 +221,66 @@ class Int4Linear(nn.Module):
 def fuse(linears: list[Int4Linear]) -> Int4Linear:
     """One layer computing every one of ``linears`` (same inputs) at once, their outputs side by side: one kernel
     call where there were several (q, k and v; gate and up), which saves the per-call cost of each. The layers
-    keep working alone (transformers' own forward calls them), on views of the fused layer's rows: the codes
-    are held once."""
-    fused = Int4Linear(*(torch.cat([getattr(linear, name) for linear in linears])
-                         for name in ("nibbles", "scales", "minimums")))
+    keep working alone (transformers' own forward calls them), on views of the fused layer's groups of rows:
+    the codes are held once. Each layer's rows must fill whole groups of 16."""
+    if any(linear.out_features % ROWS for linear in linears):
+        raise ValueError(f"fusing int4 layers needs whole groups of {ROWS} rows")
+    fused = Int4Linear.packed_as(torch.cat([linear.packed for linear in linears]),
+                                 sum(linear.out_features for linear in linears), linears[0].in_features)
     start = 0
     for linear in linears:
-        for name in ("nibbles", "scales", "minimums"):
-            setattr(linear, name, getattr(fused, name)[start: start + linear.out_features])
-        start += linear.out_features
+        groups = linear.out_features // ROWS
+        linear.packed = fused.packed[start: start + groups]
+        start += groups
     return fused
 
 
 def fuse_projections(model: nn.Module) -> None:
     """Give every decoder layer of a Llama-family ``model`` whose q, k and v (gate and up) are all int4 one fused
-    layer for them, ``self_attn.qkv_proj`` (``mlp.gate_up_proj``), which our step (``core.step``) calls instead."""
+    layer for them, ``self_attn.qkv_proj`` (``mlp.gate_up_proj``), which our step (``core.step``) calls instead.
+    Layers whose rows do not fill whole groups of 16 stay apart."""
     for layer in model.get_decoder().layers:
         attention, mlp = layer.self_attn, layer.mlp
-        if all(isinstance(m, Int4Linear) for m in (attention.q_proj, attention.k_proj, attention.v_proj)):
-            attention.qkv_proj = fuse([attention.q_proj, attention.k_proj, attention.v_proj])
-        if all(isinstance(m, Int4Linear) for m in (mlp.gate_proj, mlp.up_proj)):
-            mlp.gate_up_proj = fuse([mlp.gate_proj, mlp.up_proj])
+        for owner, parts, name in ((attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                   (mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
+            linears = [getattr(owner, part) for part in parts]
+            if all(isinstance(m, Int4Linear) and m.out_features % ROWS == 0 for m in linears):
+                setattr(owner, name, fuse(linears))
 
 
 class Int8Linear(nn.Module):
-    """y = x @ W.T (no bias) for W = q[n, k] * scales[n, k // 32], llama.cpp's Q8_0 at its own bytes: ``codes``
-    int8 [N, K] and ``scales`` float16 [N, K/32]. ``weight`` is the float W (a tied model's embedding, which
-    lookups read anyway): checks compare with it."""
+    """y = x @ W.T (no bias) for W = q[n, k] * scales[n, k // 32], llama.cpp's Q8_0 at its own bytes (int8 codes
+    [N, K] and float16 scales [N, K/32]), held packed for the kernel (``packed``, [ceil(N/16), K/32, 608] bytes).
+    ``weight`` is the float W (a tied model's embedding, which lookups read anyway): checks compare with it."""
 
     def __init__(self, codes: Tensor, scales: Tensor, weight: Tensor) -> None:
         super().__init__()
-        self.register_buffer("codes", codes.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.out_features, self.in_features = codes.shape
+        self.register_buffer("packed", pack_eight(codes, scales))
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
 
     @classmethod
     def from_codes(cls, codes: Tensor, scales: Tensor, weight: Tensor | None = None) -> "Int8Linear":
         """``codes`` [N, K] in -128..127, ``scales`` [N, K/32]; ``weight``: the float W if the caller has it."""
         if weight is None:
-            weight = codes.float() * scales.to(torch.float16).float().repeat_interleave(GROUP, 1)
+            weight = dequantize(codes, scales.to(torch.float16))
         return cls(codes, scales, weight)
+
+    def codes(self) -> Tensor:
+        """The int8 codes [N, K]."""
+        return _unpack_codes(self.packed, self.out_features, 8).view(torch.int8).reshape(self.out_features, -1)
+
+    def scales(self) -> Tensor:
+        return _unpack_values(self.packed, self.out_features, 512, torch.float16)
 
     def rows(self, index: Tensor) -> "Int8Linear":
         """The layer of W's rows ``index`` (a drafter's reduced vocabulary), in the same form."""
-        return Int8Linear(self.codes.index_select(0, index), self.scales.index_select(0, index),
+        return Int8Linear(self.codes().index_select(0, index), self.scales().index_select(0, index),
                           self.weight.detach().index_select(0, index))
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.fuzzyspec_int4.mm_q8(x, self.codes, self.scales)
+        y = torch.ops.fuzzyspec_int4.mm_q8(x, self.packed)
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, 8-bit"

@@ -224,6 +224,7 @@ class TargetStep:
         self.compile, self.widths = compile, widths
         self._compiled: nn.Module | None = None
         self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
+        self._calls: set[tuple] = set()  # what told the compiled calls so far apart (see __call__)
         self._every_layer = tuple(range(self.layer_count + 1))
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
         self.profile = Profile()  # what its steps (and its drafters') cost here, measured as they run
@@ -240,20 +241,42 @@ class TargetStep:
                  compiled: bool = False) -> tuple[Tensor, Features]:
         if not (compiled and self.compile):
             return self.forward(cache, tokens, positions, write, mask, slots, keep, features)
-        shape = (*tokens.shape, cache.capacity)
-        if shape not in self._shapes and self.on_compile is not None:
+        # Contiguous inputs: a graph is then chosen by the shapes and Python values in ``call`` alone.
+        tokens, positions, write, mask = (t.contiguous() for t in (tokens, positions, write, mask))
+        slots = slots.contiguous() if slots is not None else None
+        call = (tuple(tokens.shape), tuple(mask.shape), tuple(cache.keys[0].shape), cache.keys[0].dtype,
+                None if slots is None else tuple(slots.shape), keep, torch.is_grad_enabled(),
+                torch.is_inference_mode_enabled())
+        seen = call in self._calls
+        if (*tokens.shape, cache.capacity) not in self._shapes and self.on_compile is not None:
             self.on_compile(*tokens.shape)
-        self._shapes.add(shape)
+        self._shapes.add((*tokens.shape, cache.capacity))
+        self._calls.add(call)
         # One graph per shape serves every row, whichever layers its drafter reads: the graph returns every
         # layer's hidden state (each exists anyway, as the residual stream) and the caller's are picked here.
-        logits, found = self._compiled_forward()(cache, tokens, positions, write, mask, slots, keep, self._every_layer)
+        # Checking all of dynamo's guards costs about 0.8 ms a call here (the frozen weights); a call like one
+        # already run checks only the guards that tell the graphs apart. Where those find no graph (something
+        # ``call`` does not hold changed), dynamo refuses rather than guess, and the call runs fully checked.
+        arguments = (cache, tokens, positions, write, mask, slots, keep, self._every_layer)
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=seen):
+                logits, found = self._compiled_forward()(*arguments)
+        except RuntimeError as error:
+            if not seen or "skip_guard_eval_unsafe" not in str(error):
+                raise
+            logits, found = self._compiled_forward()(*arguments)
         return logits, {i: found[i] for i in features}
 
     def _compiled_forward(self) -> nn.Module:
         if self._compiled is None:
+            import torch._dynamo.config as dynamo
             import torch._inductor.config as inductor
 
             # Frozen weights are constants to inductor: on the CPU it prepacks them for its GEMM kernels.
             inductor.freezing = True
+            # One graph per (rows, width, cache size) and per model: dynamo's default of 8 graphs a function
+            # would silently run later shapes eagerly (measured: a second model's widths 6 and 17 ran eager).
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
+            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
             self._compiled = torch.compile(self.forward, dynamic=False)
         return self._compiled

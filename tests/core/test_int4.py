@@ -49,7 +49,8 @@ def test_the_layer_computes_with_its_codes_scales_and_minimums():
 @pytest.mark.parametrize("out_features", [50, 64])
 def test_a_tokens_result_does_not_depend_on_its_batch(out_features):
     """The kernel computes each output by the same operations for any number of tokens and rows (tiles of 1-4
-    tokens, of 1, 2 or 4 rows): a verification step's logits for a position are a single step's, bit for bit."""
+    tokens, one or two groups of 16 rows, the last group padded): a verification step's logits for a position are
+    a single step's, bit for bit."""
     generator = torch.Generator().manual_seed(2)
     layer = Int4Linear.from_codes(torch.randint(0, 16, (out_features, 96), generator=generator),
                                   torch.rand(out_features, 3, generator=generator) * 0.1,
@@ -79,7 +80,7 @@ def test_an_8_bit_layer_is_its_codes_times_its_scales_and_its_rows_keep_them():
     assert ((layer(x) - x @ weight.T).abs() <= rounding_bound(x, weight)).all()
     index = torch.tensor([5, 0, 17, 63, 2, 9, 11])
     rows = layer.rows(index)
-    assert torch.equal(rows.weight, weight[index]) and torch.equal(rows.scales, scales[index])
+    assert torch.equal(rows.weight, weight[index]) and torch.equal(rows.scales(), scales[index])
     assert torch.equal(rows(x), layer(x)[:, index])
 
 
@@ -103,7 +104,7 @@ def test_fused_projections_compute_each_layers_outputs_side_by_side():
     assert torch.equal(mlp.gate_up_proj(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
     # the separate layers read the fused codes: one copy in memory
     for fused, part in ((mlp.gate_up_proj, mlp.up_proj), (attention.qkv_proj, attention.v_proj)):
-        assert part.nibbles.untyped_storage().data_ptr() == fused.nibbles.untyped_storage().data_ptr()
+        assert part.packed.untyped_storage().data_ptr() == fused.packed.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("compile,fused", [(False, False), (False, True), (True, True)])
