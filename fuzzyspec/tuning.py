@@ -8,6 +8,8 @@ choice of draft sizes and of compiling is informed from the first token.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import platform
 import statistics
@@ -53,8 +55,18 @@ def weights_key(target: str | None, device: str) -> str:
 
 
 def _here() -> tuple[str, ...]:
-    """What about this machine and process a measurement depends on: instruction sets, threads, torch."""
-    return cpu_isa(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}"
+    """What about this machine, process and code a measurement depends on: instruction sets, threads, torch, and
+    the code that runs a step (a cost measured before it changed would be kept otherwise: the schedule
+    re-measures only the sizes it runs, so a stale dear width would never be tried again)."""
+    return cpu_isa(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"step={_step_code()}"
+
+
+@functools.cache
+def _step_code() -> str:
+    """A digest of the sources that decide what a target step costs."""
+    core = Path(__file__).parent / "core"
+    sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp")]
+    return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:8]
 
 
 def profile_path() -> Path:

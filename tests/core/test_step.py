@@ -103,3 +103,23 @@ def test_compiled_steps_equal_eager_ones_at_padded_shapes(target):
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results[0][-1], plain(target, [3, 9, 4, 1, 6, 11, 12]).logits[0, -1],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_calls_already_seen_still_run_their_own_graph(target):
+    """Calls like ones already run skip most of dynamo's guards: each must still get the graph of its own model,
+    cache size and slot count, alternating between them, as eager steps do."""
+    other = tiny_llama(vocab_size=32, layers=2, seed=5)
+    steps = {model: (TargetStep(model), TargetStep(model, compile=True, widths=(1, 4))) for model in (target, other)}
+    shapes = [(1, 16, [[3, 9]]), (2, 16, [[3, 9], [4, 1]]), (1, 32, [[3, 9]])]  # (slots, capacity, rows' tokens)
+    with torch.inference_mode():
+        for _ in range(2):
+            for model, (eager, compiled) in steps.items():
+                for slots, capacity, prompt in shapes:
+                    results = []
+                    for step in (eager, compiled):
+                        cache = StaticCache.for_model(model.config, slots, capacity, torch.float32, "cpu")
+                        run(step, cache, prompt)
+                        cache.lengths = [2] * len(prompt)
+                        logits, _ = run(step, cache, [[7]] * len(prompt), compiled=True)
+                        results.append(logits)
+                    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
