@@ -300,7 +300,8 @@ class Engine:
         logits, found = self.step_fn(self.cache, tokens, starts[:, None] + upload(depths, self.device),
                                      write_positions(starts, width), mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
-        self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_target(rows * width, ms))
+        if not self.step_fn.compiling:  # a compilation's seconds would price this width out for good
+            self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_target(rows * width, ms))
         pending = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
         for b, draft in drafts.items():
             if b not in pending:

@@ -227,6 +227,7 @@ class TargetStep:
         self._calls: set[tuple] = set()  # what told the compiled calls so far apart (see __call__)
         self._every_layer = tuple(range(self.layer_count + 1))
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
+        self.compiling = False  # whether the last call may have compiled (its time then is not a step's cost)
         self.profile = Profile()  # what its steps (and its drafters') cost here, measured as they run
 
     def shape(self, width: int, rows: int) -> tuple[int, int]:
@@ -239,6 +240,7 @@ class TargetStep:
     def __call__(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
                  slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = (),
                  compiled: bool = False) -> tuple[Tensor, Features]:
+        self.compiling = False
         if not (compiled and self.compile):
             return self.forward(cache, tokens, positions, write, mask, slots, keep, features)
         # Contiguous inputs: a graph is then chosen by the shapes and Python values in ``call`` alone.
@@ -248,6 +250,7 @@ class TargetStep:
                 None if slots is None else tuple(slots.shape), keep, torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled())
         seen = call in self._calls
+        self.compiling = not seen  # this call may compile a graph: its time is not a step's
         if (*tokens.shape, cache.capacity) not in self._shapes and self.on_compile is not None:
             self.on_compile(*tokens.shape)
         self._shapes.add((*tokens.shape, cache.capacity))

@@ -84,3 +84,15 @@ def test_the_engine_measures_what_it_has_not_seen():
     config = DecodeConfig(method="sd", gamma=3, max_new_tokens=12, gamma_schedule="cost")
     decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
     assert 1 in step.profile.target and len(step.profile.target) >= 2
+
+
+def test_a_compiled_steps_first_call_is_not_taken_for_its_cost():
+    """A call that compiles a graph takes seconds; recorded as a step's cost it would price that width out of
+    every later plan (the schedule re-measures only what it runs). Only calls that ran a compiled graph count."""
+    step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 4))
+    compiled_in = []
+    step.on_compile = lambda rows, width: compiled_in.append((rows, width))
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=10, gamma_schedule="constant")
+    decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
+    assert (1, 4) in compiled_in  # the chains' width compiled during decoding ...
+    assert set(step.profile.target) == {4} and step.profile.target[4] < 500  # ... and only later calls counted
