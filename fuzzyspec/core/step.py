@@ -267,6 +267,7 @@ class TargetStep:
         except RuntimeError as error:
             if not seen or "skip_guard_eval_unsafe" not in str(error):
                 raise
+            self.compiling = True
             logits, found = self._compiled_forward()(*arguments)
         return logits, {i: found[i] for i in features}
 
