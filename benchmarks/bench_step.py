@@ -162,8 +162,17 @@ def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], Target
     encoded = sorted((first.encode(prompt) for _, prompt in prompts), key=lambda ids: ids.shape[1])
     print(f"fuzzyspec: warming {len(configs)} configurations (compiles where compiled) ...", file=sys.stderr)
     for label, pair, options in configs:
-        for ids in (encoded[0], encoded[-1]):
-            pair.generate(ids, **(common | options))
+        # Again while a pass still compiles: the draft sizes the cost schedule picks (so the widths a step runs
+        # at) change as its measurements come in, and a width compiled inside a timed prompt costs ~20 s.
+        compiled = []
+        pair.step.on_compile = lambda rows, width: compiled.append(width)
+        for _ in range(4):
+            compiled.clear()
+            for ids in (encoded[0], encoded[-1]):
+                pair.generate(ids, **(common | options))
+            if not compiled:
+                break
+        pair.step.on_compile = None
     for index, (category, prompt) in enumerate(prompts):
         ids = first.encode(prompt)
         order = labels[index % len(labels):] + labels[: index % len(labels)]
