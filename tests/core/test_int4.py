@@ -118,3 +118,47 @@ def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fuse
     for method in ("ar", "sd"):
         tokens, stats = decode(step, ModelDrafter(draft, 32), prompt, DecodeConfig(method=method, max_new_tokens=20), 32)
         assert tokens[0].tolist() == expected
+
+
+NARROWER_BUILD = """
+import sys, torch
+from fuzzyspec.core import int4
+from fuzzyspec.core.int4 import Int4Linear, Int8Linear
+assert int4.isa() == sys.argv[1] and int4.available(), (int4.isa(), int4.unavailable())
+saved = torch.load(sys.argv[2])
+four = Int4Linear.from_codes(saved["codes4"], saved["scales"], saved["minimums"])
+eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])
+x = saved["x"]
+torch.save({"four": four(x), "eight": eight(x), "alone": torch.cat([four(x[i: i + 1]) for i in range(len(x))])},
+           sys.argv[3])
+"""
+
+
+def test_every_build_this_cpu_can_run_computes_the_same_products(tmp_path):
+    """Each instruction set's code path (AVX-512 VNNI, AVX-VNNI, AVX2) is held to the same formula: a machine runs
+    only its widest build, so the narrower ones are built here (FUZZYSPEC_INT4_ISA) and run in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    narrower = [name for name in list(int4.ISA_FLAGS)[list(int4.ISA_FLAGS).index(int4.isa()) + 1:]
+                if set(int4.ISA_FLAGS[name]) <= int4.cpu_flags()]
+    if not narrower:
+        pytest.skip(f"this CPU runs only the {int4.isa()} build")
+    generator = torch.Generator().manual_seed(3)
+    saved = {"codes4": torch.randint(0, 16, (40, 96), generator=generator, dtype=torch.int32),
+             "codes8": torch.randint(-128, 128, (40, 96), generator=generator, dtype=torch.int32),
+             "scales": (torch.rand(40, 3, generator=generator) * 0.05 + 0.001).half(),
+             "minimums": (torch.randn(40, 3, generator=generator) * 0.05).half(),
+             "x": torch.randn(9, 96, generator=generator)}
+    torch.save(saved, tmp_path / "in.pt")
+    four = Int4Linear.from_codes(saved["codes4"], saved["scales"], saved["minimums"])
+    eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])
+    for name in narrower:
+        subprocess.run([sys.executable, "-c", NARROWER_BUILD, name, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       check=True, env=os.environ | {"FUZZYSPEC_INT4_ISA": name})
+        out = torch.load(tmp_path / "out.pt")
+        # same integer dot products, same float steps after them: equal bit for bit, and batch-invariant there too
+        assert torch.equal(out["four"], four(saved["x"])), name
+        assert torch.equal(out["eight"], eight(saved["x"])), name
+        assert torch.equal(out["alone"], out["four"]), name
