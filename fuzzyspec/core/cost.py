@@ -15,7 +15,8 @@ by the profile's own measure. The choice is a pure function of the profile and t
 The profile is measured by the engine as it runs (every forward and every drafting is timed) and can be
 measured ahead (``fuzzyspec tune``); ``tuning`` keeps it per target, weights, dtype, device, thread count and
 compilation. A width never measured is assumed to cost what the nearest measured narrower
-width costs (optimism: it gets tried once, then its measured cost decides), and acceptances start from an
+width costs (optimism: it gets tried once, then its measured cost decides), a draft size below every measured
+one its share of the smallest measured (drafting nothing costs nothing), and acceptances start from an
 optimistic prior that a row's own steps soon outweigh.
 """
 from __future__ import annotations
@@ -44,7 +45,10 @@ class Profile:
         return _lookup(self.target, tokens)
 
     def draft_ms(self, key: str, size: int) -> float:
-        return _lookup(self.draft.get(key, {}), size) if size else 0.0
+        # Drafting nothing costs nothing: a size below every measured one is interpolated from zero, not taken
+        # at the smallest measured size's cost (once the cap was measured dear, every smaller size looked as
+        # dear and was never tried).
+        return _lookup({0: 0.0} | self.draft.get(key, {}), size) if size else 0.0
 
     def observe_target(self, tokens: int, ms: float) -> None:
         _fold(self.target, tokens, ms)

@@ -253,11 +253,23 @@ class Int8Linear(nn.Module):
     [N, K] and float16 scales [N, K/32]), held packed for the kernel (``packed``, [ceil(N/16), K/32, 608] bytes).
     ``weight`` is the float W (a tied model's embedding, which lookups read anyway): checks compare with it."""
 
-    def __init__(self, codes: Tensor, scales: Tensor, weight: Tensor) -> None:
+    def __init__(self, codes: Tensor, scales: Tensor, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("packed", pack_eight(codes, scales))
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def rounded(cls, linear: nn.Linear) -> "Int8Linear":
+        """A float layer rounded to Q8_0 as llama.cpp rounds it: per block of 32 inputs, scale = max|w| / 127 (in
+        float16) and q = round(w / scale). Its products move by about 0.5% of a block's largest weight."""
+        weight = linear.weight.detach().float()
+        blocks = weight.reshape(weight.shape[0], -1, GROUP)
+        scales = (blocks.abs().amax(-1) / 127).half()
+        inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(scales, dtype=torch.float32))
+        codes = (blocks * inverse[..., None]).round().clamp(-127, 127).to(torch.int32).reshape(weight.shape)
+        return cls(codes, scales, linear.weight.detach(), linear.bias)
 
     @classmethod
     def from_codes(cls, codes: Tensor, scales: Tensor, weight: Tensor | None = None) -> "Int8Linear":
@@ -280,7 +292,19 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = torch.ops.fuzzyspec_int4.mm_q8(x, self.packed)
-        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+        y = y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, 8-bit"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, 8-bit"
+                f"{', bias' if self.bias is not None else ''}")
+
+
+def round_linears(module: nn.Module) -> None:
+    """Replace every float ``nn.Linear`` in ``module`` whose inputs fill blocks of 32 by its Q8_0 rounding
+    (``Int8Linear.rounded``): a small drafter of a 4-bit target then reads a quarter of its float32 bytes,
+    through the same kernel (its layers' float products took most of a draft step beside a 4-bit target's)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features % GROUP == 0:
+                setattr(parent, name, Int8Linear.rounded(child))

@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.draft import Drafter
+from ..core.int4 import Int4Linear, Int8Linear, round_linears
 from ..loading import EMBEDDED, LoadError, check_model_name, check_vocabularies, load_model, shipped
 from ..options import DEFAULT_DRAFT, DEFAULT_JOB
 from .draftlm import DraftLM, is_shared_draft, load_draft_lm, self_draft
@@ -106,7 +107,8 @@ def _load(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         folder = shipped(name)
         if not (folder / "config.json").is_file():
             raise LoadError(f"the shipped drafter is missing from {folder}: reinstall fuzzyspec")
-        return _head(name, folder, target) if name == "eagle" else _draft_lm(name, load_draft_lm(folder, target))
+        return _head(name, folder, target) if name == "eagle" else _draft_lm(name, load_draft_lm(folder, target),
+                                                                              target)
     if name.startswith("eagle:"):
         return _head(name, Path(name[len("eagle:"):]).expanduser(), target)
     if name == "lookup" or name.startswith("lookup:"):
@@ -118,21 +120,31 @@ def _load(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         except ValueError as error:
             raise LoadError(str(error)) from None
     if is_shared_draft(name):
-        return _draft_lm(name, load_draft_lm(name, target))
+        return _draft_lm(name, load_draft_lm(name, target), target)
     draft, draft_tokenizer = load_model(name, dtype, device, weights)
     if tokenizer is not None:  # the transformers hook has no tokenizer: the logit widths are checked there
         check_vocabularies(tokenizer, draft_tokenizer)
     return _draft_lm(name, DraftLM(draft))
 
 
-def _draft_lm(name: str, draft: DraftLM) -> DrafterSource:
+def _in_targets_form(drafter: torch.nn.Module, target: PreTrainedModel) -> torch.nn.Module:
+    """A drafter of a target held at its GGUF's 4-bit bytes reads its own float layers as Q8_0 (``int4``): its
+    float32 products would cost a 4-bit target's step half again per draft token."""
+    if any(isinstance(module, (Int4Linear, Int8Linear)) for module in target.modules()):
+        round_linears(drafter)
+    return drafter
+
+
+def _draft_lm(name: str, draft: DraftLM, target: PreTrainedModel | None = None) -> DrafterSource:
+    if target is not None:
+        _in_targets_form(draft.model, target)
     return DrafterSource(name, draft.model, lambda vocab_size: ModelDrafter(draft.model, vocab_size, draft.vocab),
                          draft.width)
 
 
 def _head(name: str, folder: Path, target: PreTrainedModel) -> DrafterSource:
     try:
-        head = load_any_head(folder, target)
+        head = _in_targets_form(load_any_head(folder, target), target)
     except (OSError, ValueError) as error:
         raise LoadError(str(error)) from error
     logits = head_logits(head, target)

@@ -46,6 +46,14 @@ def test_where_verifying_is_nearly_free_the_arithmetic_picks_the_size():
     assert plan([Option("d:chain", 2)], [acceptance], profile)[0] <= 2  # the cap holds
 
 
+def test_a_smaller_draft_than_any_measured_is_costed_as_its_share_not_as_the_largest():
+    """Measured only at its cap (the first steps draft the most), drafting 5 deep cost as much as 1.4 target
+    steps: a 1-deep proposal is then priced at a fifth of that, so the cheap size that pays gets tried."""
+    profile = Profile(target={1: 10.0, 2: 10.5, 6: 25.0}, draft={"d:chain": {5: 14.0}})
+    assert profile.draft_ms("d:chain", 1) == 14.0 / 5 and profile.draft_ms("d:chain", 0) == 0.0
+    assert plan([Option("d:chain", 5)], [accepting(0.7)], profile) == [1]
+
+
 def test_trees_are_costed_by_their_nodes_and_batches_by_their_padded_shape():
     option = Option("h:tree", 5, (16, 4))
     assert [option.nodes(g) for g in range(6)] == [0, 4, 16, 16, 16, 16]

@@ -120,6 +120,41 @@ def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fuse
         assert tokens[0].tolist() == expected
 
 
+
+def test_a_float_layer_rounded_to_q8_0_keeps_its_bias_and_moves_by_the_rounding():
+    generator = torch.Generator().manual_seed(4)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=generator) * 0.1)
+    layer = Int8Linear.rounded(linear)
+    scales = layer.scales().float().repeat_interleave(GROUP, 1)
+    assert (layer.codes().abs() <= 127).all()
+    assert ((layer.codes().float() * scales - linear.weight).abs() <= scales / 2 + 1e-6).all()  # round to nearest
+    x = torch.randn(3, 64, generator=generator)
+    rounded = layer.codes().float() * scales
+    assert ((layer(x) - (x @ rounded.T + linear.bias)).abs() <= rounding_bound(x, rounded)).all()
+
+
+def test_a_drafter_of_an_int4_target_reads_its_own_layers_at_8_bits_and_stays_lossless(tmp_path):
+    """A small drafter's float32 products cost a 4-bit target's step half again per token: beside an int4
+    target, a loaded drafter's layers are Q8_0 through the same kernel, and sd still gives the target's text."""
+    from fuzzyspec.drafters.eagle_head import EagleHead
+    from fuzzyspec.drafters.registry import load_drafter
+
+    model = int4_model(seed=0, fused=True)
+    torch.manual_seed(0)
+    EagleHead.for_target(tiny_llama(seed=0)).save(tmp_path / "head")
+    source = load_drafter(f"eagle:{tmp_path / 'head'}", model, None)
+    linears = [m for m in source.module.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    floats = load_drafter(f"eagle:{tmp_path / 'head'}", tiny_llama(seed=0), None).module
+    assert not any(isinstance(m, Int8Linear) for m in floats.modules())  # a float target's drafter stays float
+    prompt = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    expected = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, 6:].tolist()
+    config = DecodeConfig(method="sd", max_new_tokens=20, gamma=3)
+    tokens, _ = decode(TargetStep(model), source.new(32), prompt, config, 32)
+    assert tokens[0].tolist() == expected
+
 NARROWER_BUILD = """
 import sys, torch
 from fuzzyspec.core import int4
