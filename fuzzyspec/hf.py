@@ -54,7 +54,8 @@ from .options import OPTIONS, OptionError
 # Logits processors that Sampling reproduces (the others are ignored with a warning).
 SAMPLING_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 # Model inputs that HF prepares for its own loop and that decoding from input_ids alone may drop.
-IGNORABLE_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "past_key_values",
+# "cache" is transformers 5.24's name for past_key_values (the empty cache generate prepares)
+IGNORABLE_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "cache",
                               "use_cache", "cache_position", "output_attentions", "output_hidden_states"})
 DEFAULT_MAX_NEW_TOKENS = 20  # HF's model-agnostic default
 
