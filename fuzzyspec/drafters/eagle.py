@@ -73,14 +73,21 @@ class EagleDrafter(BaseDrafter):
 
     def reset(self) -> None:
         self.cache = DynamicCache()
-        self.features: Tensor | None = None  # true target features of positions 0 .. F - 1
+        self.features: Tensor | None = None  # true target features of positions 0 .. known - 1, then room
+        self.known = 0
         self.tokens: Tensor | None = None  # the sequence those features belong to, until the engine vouches for it
         self.true_positions = 0  # head cache positions computed from true features and tokens
 
     def observe(self, start: int, features: Tensor) -> None:
         """True target features ([1, n, F]) of positions start .. start + n - 1."""
-        known = self.features[:, :start] if self.features is not None else features[:, :0]
-        self.features = torch.cat([known, features], 1)
+        end = start + features.shape[1]
+        if self.features is None or end > self.features.shape[1]:  # room by doubling: no copy of them all per step
+            grown = features.new_empty(1, max(end, 2 * self.known), features.shape[2])
+            if self.features is not None:
+                grown[:, : self.known] = self.features[:, : self.known]
+            self.features = grown
+        self.features[:, start:end] = features
+        self.known = end
         self.true_positions = min(self.true_positions, start)
 
     def accepted(self, count: int) -> None:
@@ -107,7 +114,7 @@ class EagleDrafter(BaseDrafter):
         """Bring the head's cache up to date with the true features; return the predicted feature
         ([1, 1, H]) of the newest token, whose logits give the first draft."""
         # Head position j reads token j + 1 and feature j: positions 0 .. F - 1, with F <= len - 1.
-        count = min(self.features.shape[1], sequence.shape[1] - 1)
+        count = min(self.known, sequence.shape[1] - 1)
         if self.tokens is not None:
             self.true_positions = min(self.true_positions, common_prefix(self.tokens, sequence) - 1)
         kept = max(0, min(self.true_positions, count - 1))  # always feed at least one position
