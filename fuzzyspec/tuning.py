@@ -63,9 +63,9 @@ def _here() -> tuple[str, ...]:
 
 @functools.cache
 def _step_code() -> str:
-    """A digest of the sources that decide what a target step costs."""
+    """A digest of the sources that decide what a target step costs, and how its costs are estimated."""
     core = Path(__file__).parent / "core"
-    sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp")]
+    sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp", "cost.py")]
     return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:8]
 
 

@@ -15,7 +15,7 @@ by the profile's own measure. The choice is a pure function of the profile and t
 The profile is measured by the engine as it runs (every forward and every drafting is timed) and can be
 measured ahead (``fuzzyspec tune``); ``tuning`` keeps it per target, weights, dtype, device, thread count and
 compilation. A width never measured is assumed to cost what the nearest measured narrower
-width costs (optimism: it gets tried once, then its measured cost decides), a draft size below every measured
+width costs (optimism: it gets tried, and after a few measurements their minimum decides), a draft size below every measured
 one its share of the smallest measured (drafting nothing costs nothing), and acceptances start from an
 optimistic prior that a row's own steps soon outweigh.
 """
@@ -30,37 +30,60 @@ from .config import tree_nodes
 PRIOR_ACCEPTANCE = 0.6  # a_j before a row has data: close to what the shipped drafters reach
 PRIOR_WEIGHT = 2.0      # in steps: how soon a row's own data outweighs the prior
 MEMORY = 0.95           # a row's counts fade by this per step, so its estimate follows the text it writes
+TRIALS = 3              # measurements of a new size before the planner trusts its cost
+TARGET = ""             # the target's key among the drafters' (whose keys name a drafter and shape)
 
 
 @dataclass
 class Profile:
     """Measured milliseconds: ``target[m]`` a forward over m tokens (all rows together), ``draft[key][g]`` a
-    drafter's proposal of size g (``key`` names the drafter and its shape: chain or tree)."""
+    drafter's proposal of size g (``key`` names the drafter and its shape: chain or tree).
+
+    A size's first ``TRIALS`` measurements are tentative: the planner does not see them (the size stays
+    untried to it, so it is tried again) and the size's cost is their minimum, since a shared machine's noise
+    only adds time. One slow first measurement had priced a size out for good: the planner re-measures only
+    what it runs. Sizes given at construction or loaded are taken as measured."""
 
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
     updates: int = 0  # measurements folded in since the profile was loaded
+    trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
 
     def target_ms(self, tokens: int) -> float:
-        return _lookup(self.target, tokens)
+        return _lookup(self._settled(TARGET, self.target), tokens)
 
     def draft_ms(self, key: str, size: int) -> float:
         # Drafting nothing costs nothing: a size below every measured one is interpolated from zero, not taken
         # at the smallest measured size's cost (once the cap was measured dear, every smaller size looked as
         # dear and was never tried).
-        return _lookup({0: 0.0} | self.draft.get(key, {}), size) if size else 0.0
+        return _lookup({0: 0.0} | self._settled(key, self.draft.get(key, {})), size) if size else 0.0
 
     def observe_target(self, tokens: int, ms: float) -> None:
-        _fold(self.target, tokens, ms)
-        self.updates += 1
+        self._observe(TARGET, self.target, tokens, ms)
 
     def observe_draft(self, key: str, size: int, ms: float) -> None:
-        _fold(self.draft.setdefault(key, {}), size, ms)
+        self._observe(key, self.draft.setdefault(key, {}), size, ms)
+
+    def _observe(self, key: str, measured: dict[int, float], size: int, ms: float) -> None:
         self.updates += 1
+        count = self.trials.get((key, size), 0 if size not in measured else None)
+        if count is None:
+            _fold(measured, size, ms)
+            return
+        measured[size] = min(measured.get(size, ms), ms)
+        if count + 1 < TRIALS:
+            self.trials[key, size] = count + 1
+        else:
+            self.trials.pop((key, size), None)
+
+    def _settled(self, key: str, measured: dict[int, float]) -> dict[int, float]:
+        return {size: ms for size, ms in measured.items() if (key, size) not in self.trials}
 
     def to_dict(self) -> dict:
-        return {"target": {str(k): v for k, v in sorted(self.target.items())},
-                "draft": {key: {str(k): v for k, v in sorted(sizes.items())} for key, sizes in self.draft.items()}}
+        """The settled measurements (a tentative size is measured anew next time)."""
+        return {"target": {str(k): v for k, v in sorted(self._settled(TARGET, self.target).items())},
+                "draft": {key: {str(k): v for k, v in sorted(self._settled(key, sizes).items())}
+                          for key, sizes in self.draft.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":

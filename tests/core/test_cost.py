@@ -104,3 +104,18 @@ def test_a_compiled_steps_first_call_is_not_taken_for_its_cost():
     decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
     assert (1, 4) in compiled_in  # the chains' width compiled during decoding ...
     assert set(step.profile.target) == {4} and step.profile.target[4] < 500  # ... and only later calls counted
+
+
+def test_a_slow_first_measurement_does_not_price_a_size_out():
+    """A size's first measurements are tentative (a shared machine's noise only adds time): the planner does not
+    see them, so it tries the size again, and their minimum becomes its cost; only settled sizes are kept."""
+    profile = Profile(target={1: 10.0}, draft={"d:chain": {1: 1.0}})
+    profile.observe_target(2, 40.0)  # a noisy first pass of 2 tokens
+    assert profile.target_ms(2) == 10.0  # still untried to the planner: the nearest narrower width's cost
+    assert plan([Option("d:chain", 1)], [accepting(0.7)], profile) == [1]
+    assert profile.to_dict()["target"] == {"1": 10.0}
+    profile.observe_target(2, 11.0)
+    profile.observe_target(2, 12.0)
+    assert profile.target_ms(2) == 11.0 and profile.to_dict()["target"] == {"1": 10.0, "2": 11.0}
+    profile.observe_target(2, 20.0)  # settled: later measurements move it by a fraction
+    assert 11.0 < profile.target_ms(2) < 20.0
