@@ -14,10 +14,10 @@ by the profile's own measure. The choice is a pure function of the profile and t
 
 The profile is measured by the engine as it runs (every forward and every drafting is timed) and can be
 measured ahead (``fuzzyspec tune``); ``tuning`` keeps it per target, weights, dtype, device, thread count and
-compilation. A width never measured is assumed to cost what the nearest measured narrower
-width costs (optimism: it gets tried, and after a few measurements their minimum decides), a draft size below every measured
-one its share of the smallest measured (drafting nothing costs nothing), and acceptances start from an
-optimistic prior that a row's own steps soon outweigh.
+compilation. A width never measured is assumed to cost what the nearest measured narrower width costs
+(optimism: it gets tried, and after a few measurements their minimum decides), a draft size below every
+measured one its share of the smallest measured (drafting nothing costs nothing), and acceptances start from
+an optimistic prior that a row's own steps soon outweigh.
 """
 from __future__ import annotations
 
