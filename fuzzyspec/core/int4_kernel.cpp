@@ -30,7 +30,6 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
