@@ -42,6 +42,8 @@ import torch
 from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
 from fuzzyspec.core import int4
+from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.cost import Option, breadths
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.loading import cache_dir, embedded_gguf
 
@@ -133,9 +135,9 @@ def drafting(pairs: dict[str, ModelPair]) -> dict:
     for form, pair in pairs.items():
         for name in ("eagle", "draft"):
             drafted = pair.with_drafter(name)
-            for tree in (False, True) if drafted.draft.drafts_trees else (False,):
-                result[f"{form} {name} {'tree' if tree else 'chain'}"] = tuning.measure_drafter(
-                    drafted, tree, range(1, 6))
+            for breadth in breadths(DecodeConfig().tree_top_k) if drafted.draft.drafts_trees else (1,):
+                result[f"{form} {name} {'chain' if breadth == 1 else f'tree {breadth} wide'}"] = \
+                    tuning.measure_drafter(drafted, breadth, range(1, 6))
     return result
 
 
@@ -161,7 +163,11 @@ def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], Target
     # "first" column).
     encoded = sorted((first.encode(prompt) for _, prompt in prompts), key=lambda ids: ids.shape[1])
     print(f"fuzzyspec: warming {len(configs)} configurations (compiles where compiled) ...", file=sys.stderr)
+    longest = max(ids.shape[1] for ids in encoded) + tokens
+    capacities = tuple(256 << i for i in range(8) if 256 << i < 2 * longest)
     for label, pair, options in configs:
+        if pair.draft is not None:  # every shape the schedule may pick, at every cache size decoding reaches
+            tuning.prepare(pair.step, Option.of(pair.draft.name, pair.config(**(common | options))), capacities)
         # Again while a pass still compiles: the draft sizes the cost schedule picks (so the widths a step runs
         # at) change as its measurements come in, and a width compiled inside a timed prompt costs ~20 s.
         compiled = []

@@ -687,7 +687,7 @@ def _tune(args: argparse.Namespace) -> None:
     """Measure the profile (eager, and compiled unless --no-compile), keep it, and print it with its choices."""
     from . import tuning
     from .api import ModelPair
-    from .core.cost import Option
+    from .core.cost import Option, draft_key
     from .core.step import TargetStep
 
     device = _device(args)
@@ -705,14 +705,16 @@ def _tune(args: argparse.Namespace) -> None:
         times, compile_s = tuning.measure_target(step, widths, compiled=compiled, progress=tuning.progress_line)
         step.profile.target.update(times)
         options = {}
-        shapes = [("chain", drafter.gamma, None)]
-        if pair.draft is not None and pair.draft.drafts_trees:
-            shapes.append(("tree", drafter.tree_depth, (drafter.tree_total_tokens, drafter.tree_top_k)))
-        for shape, cap, tree in shapes if pair.draft is not None else ():
-            tuning.progress_line(f"{pair.draft.name} drafting {shape}s")
-            draft_key = f"{pair.draft.name}:{shape}"
-            step.profile.draft[draft_key] = tuning.measure_drafter(pair, shape == "tree", range(1, cap + 1))
-            options[draft_key] = Option(draft_key, cap, tree)
+        if pair.draft is not None:
+            options["chains"] = Option(pair.draft.name, drafter.gamma)
+            if pair.draft.drafts_trees:
+                options["trees"] = Option(pair.draft.name, drafter.tree_depth,
+                                          (drafter.tree_total_tokens, drafter.tree_top_k))
+        for breadth in sorted({k for option in options.values() for _, k in option.shapes()}):
+            tuning.progress_line(f"{pair.draft.name} drafting {'chains' if breadth == 1 else f'{breadth}-wide trees'}")
+            cap = max(option.cap for option in options.values() if breadth in {k for _, k in option.shapes()})
+            step.profile.draft[draft_key(pair.draft.name, breadth)] = tuning.measure_drafter(pair, breadth,
+                                                                                             range(1, cap + 1))
         tuning.save(key, step.profile)
         report["profiles"]["compiled" if compiled else "eager"] = {
             "key": key, "target_ms": times, "compile_s": compile_s, "draft_ms": step.profile.draft,
@@ -739,10 +741,9 @@ def _tune(args: argparse.Namespace) -> None:
             print(f"  {width:>3}  {ms:8.1f}  x{ms / one:.2f}{first}")
         for key, sizes in profile["draft_ms"].items():
             print(f"  {key}: " + ", ".join(f"{size}: {ms:.1f} ms" for size, ms in sizes.items()))
-        for key, picked in profile["choices"].items():
-            unit = "depth" if key.endswith(":tree") else "drafts"
-            print(f"  {key}: {unit} chosen at first-draft acceptance " +
-                  ", ".join(f"{rate:g} -> {size}" for rate, size in picked.items()))
+        for name, picked in profile["choices"].items():
+            print(f"  {name}: drafted (depth x breadth) at a chain's first-draft acceptance " +
+                  ", ".join(f"{rate:g} -> {depth}x{breadth}" for rate, (depth, breadth) in picked.items()))
     if "weights" in report:
         ms = report["weights"]["step_ms"]
         print("\nweights: one step " + ", ".join(f"{form} {value:.1f} ms" for form, value in ms.items()) +

@@ -88,7 +88,8 @@ OPTIONS: tuple[Option, ...] = (
            "tree", group="trees", shown_default="on with the default drafter, else off"),
     Option("tree_total_tokens", 16, "nodes kept per tree", "tree_total_tokens", group="trees"),
     Option("tree_depth", 5, "tree depth (at most, under the cost schedule)", "tree_depth", group="trees"),
-    Option("tree_top_k", 4, "children per expanded node, and nodes expanded per level", "tree_top_k",
+    Option("tree_top_k", 4, "children per expanded node, and nodes expanded per level (at most, under the cost "
+           "schedule, which may narrow a tree down to a chain where wide steps are dear)", "tree_top_k",
            group="trees"),
     Option("temperature", 0.0, "0 = greedy", "temperature", hook=False, group="sampling"),
     Option("top_k", 0, "0 = off", "top_k", hook=False, group="sampling"),

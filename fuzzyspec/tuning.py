@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .core import int4
-from .core.cost import Acceptance, Option, Profile, plan
+from .core.cost import PRIOR_WIDER, Acceptance, Option, Profile, plan
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
 from .files import write_whole
@@ -122,14 +122,16 @@ def _median_ms(run: Callable[[], object], repeats: int) -> float:
 
 @torch.inference_mode()
 def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: int = 128, repeats: int = 5,
-                   compiled: bool = False, progress: Callable[[str], None] | None = None
+                   compiled: bool = False, progress: Callable[[str], None] | None = None, capacity: int = 256
                    ) -> tuple[dict[int, float], dict[int, float]]:
-    """Milliseconds of one forward of ``width`` tokens after ``prefix`` cached ones, for each width (batch 1),
-    and, compiled, the seconds of each width's first call (its compilation, or loading it from the cache)."""
+    """Milliseconds of one forward of ``width`` tokens after ``prefix`` cached ones, for each width (batch 1,
+    a cache of ``capacity`` positions), and, compiled, the seconds of each width's first call (its compilation,
+    or loading it from the cache)."""
     model = step.model
     device = model.get_input_embeddings().weight.device
-    cache = StaticCache.for_model(model.config, 1, 256, model.get_input_embeddings().weight.dtype, device)
-    tokens = torch.randint(0, model.config.vocab_size, (1, prefix + max(widths)), generator=torch.Generator().manual_seed(0))
+    cache = StaticCache.for_model(model.config, 1, capacity, model.get_input_embeddings().weight.dtype, device)
+    longest = max(step.shape(width, 1)[0] for width in widths)
+    tokens = torch.randint(0, model.config.vocab_size, (1, prefix + longest), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
     start = torch.zeros(1, dtype=torch.long, device=device)
     step(cache, tokens[:, :prefix], write_positions(start, prefix), write_positions(start, prefix),
@@ -158,14 +160,26 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
     return result, compile_s
 
 
+def prepare(step: TargetStep, option: Option, capacities: tuple[int, ...] = (256,),
+            progress: Callable[[str], None] | None = None) -> None:
+    """Compile, ahead, every one-row shape a row drafting as ``option`` allows can ask ``step`` to verify, at
+    each cache capacity in ``capacities``: the cost schedule moves between draft sizes as its measurements come
+    in, and a shape first met while decoding stops that row for the seconds a compilation takes."""
+    if step.compile:
+        for capacity in capacities:
+            measure_target(step, option.widths(), repeats=1, compiled=True, progress=progress, capacity=capacity)
+
+
 @torch.inference_mode()
-def measure_drafter(pair, tree: bool, sizes: range, prompt: str = "Explain how a bicycle stays upright.",
+def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how a bicycle stays upright.",
                     repeats: int = 5) -> dict[int, float]:
-    """Milliseconds of one proposal of each size (chain tokens, or tree depth) by the pair's drafter, after the
-    target has read ``prompt`` (feature-reading drafters need its features)."""
+    """Milliseconds of one proposal of each size (chain tokens, or tree depth) by the pair's drafter, at
+    ``breadth`` children per node (1: chains), after the target has read ``prompt`` (feature-reading drafters
+    need its features)."""
     from .core.engine import Engine
 
-    config = pair.config(method="sd", tree=tree, gamma_schedule="constant", max_new_tokens=64)
+    tree = {"tree": True, "tree_top_k": breadth} if breadth > 1 else {"tree": False}
+    config = pair.config(method="sd", gamma_schedule="constant", max_new_tokens=64, **tree)
     drafter = pair.drafter(config)
     engine = Engine(pair.step, pair.vocab_size)
     row = engine.add(pair.encode(prompt), config, drafter)
@@ -179,15 +193,20 @@ def measure_drafter(pair, tree: bool, sizes: range, prompt: str = "Explain how a
 
 
 def choices(profile: Profile, options: dict[str, Option], rates: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
-            ) -> dict[str, dict[float, int]]:
-    """The draft size the planner picks for one row at each first-draft acceptance ``rates`` (later depths a
-    little lower, as measured drafters are), per drafter option."""
+            ) -> dict[str, dict[float, tuple[int, int]]]:
+    """The draft (depth, breadth) the planner picks for one row at each first-draft acceptance of a chain
+    ``rates`` (later depths a little lower, as measured drafters are; wider drafts catching the prior's share
+    of a chain's misses), per option."""
     picked = {}
-    for key, option in options.items():
-        picked[key] = {}
-        for rate in rates:  # depth j accepted with probability rate * 0.95^(j - 1), as if seen 100 times
-            acceptance = Acceptance([100.0] * option.cap, [100.0 * rate * 0.95 ** j for j in range(option.cap)])
-            picked[key][rate] = plan([option], [acceptance], profile)[0]
+    for name, option in options.items():
+        picked[name] = {}
+        for rate in rates:  # as if seen 100 times
+            acceptance = Acceptance()
+            for breadth in {k for _, k in option.shapes()}:
+                first = 1 - (1 - rate) * (1 - PRIOR_WIDER) ** (breadth - 1)
+                acceptance.reached[breadth] = [100.0] * option.cap
+                acceptance.passed[breadth] = [100.0 * first * 0.95 ** j for j in range(option.cap)]
+            picked[name][rate] = plan([option], [acceptance], profile)[0]
     return picked
 
 

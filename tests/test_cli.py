@@ -397,7 +397,7 @@ def test_tune_measures_keeps_and_explains_the_profile(capsys, tiny_dirs, tmp_pat
     (drafting,) = eager["draft_ms"].values()
     assert set(drafting) == {"1", "2", "3", "4", "5"}  # chains up to the default --gamma
     (choices,) = eager["choices"].values()
-    assert all(0 <= size <= 5 for size in choices.values())
+    assert all(0 <= depth <= 5 and breadth == 1 for depth, breadth in choices.values())  # a draft LM: chains
     assert "avx2" in report["machine"] or "threads" in report["machine"]
     pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], dtype="float32")
     assert pair.profile_key == eager["key"] and tuning.load(pair.profile_key).target.keys() >= {1, 2, 4}

@@ -153,19 +153,22 @@ class DecodeConfig:
         """The largest draft size a row of this config uses: a tree's depth, or a chain's gamma."""
         return self.tree_depth if self.tree else self.gamma
 
-    def budget(self, size: int, remaining: int) -> Budget | None:
+    def budget(self, size: int, remaining: int, breadth: int | None = None) -> Budget | None:
         """What the drafter may propose at draft size ``size`` (a chain's tokens, a tree's depth) with
         ``remaining`` tokens to go: None when nothing (AR, size 0, or one token left, which the target gives).
-        A verified step adds one token after the drafts."""
+        A verified step adds one token after the drafts. A tree of ``breadth`` children per node (default: the
+        config's ``tree_top_k``) at most; a tree one wide is drafted as the chain it is (of likeliest tokens, as
+        the tree's are)."""
         if self.method == "ar" or size < 1:
             return None
         if self.draft_only:
             return Budget(min(size, remaining), None, self.draft_confidence, self.greedy_drafts)
         if remaining < 2:
             return None
-        if not self.tree:
-            return Budget(min(size, remaining - 1), None, self.draft_confidence, self.greedy_drafts)
-        tree = (tree_nodes(size, self.tree_total_tokens, self.tree_top_k), size, self.tree_top_k)
+        breadth = min(breadth or self.tree_top_k, self.tree_top_k) if self.tree else 1
+        if breadth == 1:  # a tree's drafts are its draft's likeliest tokens, so are a one-wide tree's
+            return Budget(min(size, remaining - 1), None, self.draft_confidence, self.greedy_drafts or self.tree)
+        tree = (tree_nodes(size, self.tree_total_tokens, breadth), size, breadth)
         return Budget(min(self.gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts)
 
 

@@ -1,16 +1,18 @@
-"""Cost-aware speculation: how many tokens each row drafts, chosen from what the hardware charges.
+"""Cost-aware speculation: how much each row drafts, chosen from what the hardware charges.
 
-A step of B rows that draft g_b tokens each costs a target forward over M = sum(1 + n_b) tokens (n_b: the
-nodes g_b drafts give: g_b for a chain, the tree's size for a tree of depth g_b) plus each row's drafting,
-and yields sum E_b(g_b) tokens, where a row whose drafts pass depth j with probability a_j (its own running
-acceptance) expects
+A row's draft has a depth g and a breadth k (children per expanded node: 1 is a chain, more an EAGLE-2
+tree). A step of B rows costs a target forward over M = sum(1 + n_b) tokens (n_b: the nodes the row's draft
+holds: g for a chain, the tree's size for a tree) plus each row's drafting, and yields sum E_b tokens, where a
+row whose drafts pass depth j with probability a_j(k) (its own running acceptance at that breadth) expects
 
-    E(g) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_g          (the target's token, then accepted drafts).
+    E(g, k) = 1 + a_1(k) + a_1(k) a_2(k) + ... + a_1(k) ... a_g(k)   (the target's token, then accepted drafts).
 
-The planner picks every row's g to maximise tokens per second, sum E_b / (T(M) + sum D_b(g_b)), with T
-and D from a ``Profile`` of measured times; g = 0 (propose nothing) is always a candidate, so a row for
+The planner picks every row's (g, k) to maximise tokens per second, sum E_b / (T(M) + sum D_b(g_b, k_b)), with
+T and D from a ``Profile`` of measured times; g = 0 (propose nothing) is always a candidate, so a row for
 which speculation does not pay runs as autoregressive decoding: a default job is never slower than AR
-by the profile's own measure. The choice is a pure function of the profile and the rows' statistics.
+by the profile's own measure. The breadth matters where a wide forward is dear: a 4-wide tree of depth 1 is
+5 tokens to verify, a chain of depth 1 two. The choice is a pure function of the profile and the rows'
+statistics.
 
 The profile is measured by the engine as it runs (every forward and every drafting is timed) and can be
 measured ahead (``fuzzyspec tune``); ``tuning`` keeps it per target, weights, dtype, device, thread count and
@@ -27,7 +29,8 @@ from typing import Callable
 
 from .config import tree_nodes
 
-PRIOR_ACCEPTANCE = 0.6  # a_j before a row has data: close to what the shipped drafters reach
+PRIOR_ACCEPTANCE = 0.6  # a_j(1) before a row has data: close to what the shipped drafters' chains reach
+PRIOR_WIDER = 0.15      # the share of a chain's misses each further child per node is assumed to catch
 PRIOR_WEIGHT = 2.0      # in steps: how soon a row's own data outweighs the prior
 MEMORY = 0.95           # a row's counts fade by this per step, so its estimate follows the text it writes
 TRIALS = 3              # measurements of a new size before the planner trusts its cost
@@ -36,8 +39,11 @@ TARGET = ""             # the target's key among the drafters' (whose keys name 
 
 @dataclass
 class Profile:
-    """Measured milliseconds: ``target[m]`` a forward over m tokens (all rows together), ``draft[key][g]`` a
-    drafter's proposal of size g (``key`` names the drafter and its shape: chain or tree).
+    """Measured milliseconds: ``target[w]`` a forward of one row of w tokens, ``batches[r][w]`` one of r rows
+    (2 or more) of w tokens each, ``draft[key][g]`` a drafter's proposal of size g (``key`` names the drafter and
+    its shape: chain, or tree and breadth). Rows are kept apart because r rows of w tokens need not cost what
+    one row of r x w does (each row attends to its own cache): a batch's costs once folded into the one-row
+    curve priced a single row's 4-token step at twice its cost.
 
     A size's first ``TRIALS`` measurements are tentative: the planner does not see them (the size stays
     untried to it, so it is tried again) and the size's cost is their minimum, since a shared machine's noise
@@ -46,11 +52,15 @@ class Profile:
 
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
+    batches: dict[int, dict[int, float]] = field(default_factory=dict)
     updates: int = 0  # measurements folded in since the profile was loaded
     trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
 
-    def target_ms(self, tokens: int) -> float:
-        return _lookup(self._settled(TARGET, self.target), tokens)
+    def target_ms(self, width: int, rows: int = 1) -> float:
+        """A forward of ``rows`` rows of ``width`` tokens. A row count not yet measured is guessed at what one row
+        of rows x width tokens costs (until its own steps are measured)."""
+        measured = self._settled(_batch_key(rows), self.batches.get(rows, {})) if rows > 1 else {}
+        return _lookup(measured, width) if measured else _lookup(self._settled(TARGET, self.target), width * rows)
 
     def draft_ms(self, key: str, size: int) -> float:
         # Drafting nothing costs nothing: a size below every measured one is interpolated from zero, not taken
@@ -58,8 +68,11 @@ class Profile:
         # dear and was never tried).
         return _lookup({0: 0.0} | self._settled(key, self.draft.get(key, {})), size) if size else 0.0
 
-    def observe_target(self, tokens: int, ms: float) -> None:
-        self._observe(TARGET, self.target, tokens, ms)
+    def observe_target(self, width: int, ms: float, rows: int = 1) -> None:
+        if rows == 1:
+            self._observe(TARGET, self.target, width, ms)
+        else:
+            self._observe(_batch_key(rows), self.batches.setdefault(rows, {}), width, ms)
 
     def observe_draft(self, key: str, size: int, ms: float) -> None:
         self._observe(key, self.draft.setdefault(key, {}), size, ms)
@@ -81,14 +94,26 @@ class Profile:
 
     def to_dict(self) -> dict:
         """The settled measurements (a tentative size is measured anew next time)."""
-        return {"target": {str(k): v for k, v in sorted(self._settled(TARGET, self.target).items())},
-                "draft": {key: {str(k): v for k, v in sorted(self._settled(key, sizes).items())}
-                          for key, sizes in self.draft.items()}}
+        def settled(key: str, sizes: dict[int, float]) -> dict[str, float]:
+            return {str(k): v for k, v in sorted(self._settled(key, sizes).items())}
+
+        return {"target": settled(TARGET, self.target),
+                "draft": {key: settled(key, sizes) for key, sizes in self.draft.items()},
+                "batches": {str(rows): settled(_batch_key(rows), sizes) for rows, sizes in sorted(self.batches.items())}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
-        return cls({int(k): float(v) for k, v in data.get("target", {}).items()},
-                   {key: {int(k): float(v) for k, v in sizes.items()} for key, sizes in data.get("draft", {}).items()})
+        def sizes(measured: dict) -> dict[int, float]:
+            return {int(k): float(v) for k, v in measured.items()}
+
+        return cls(sizes(data.get("target", {})), {key: sizes(value) for key, value in data.get("draft", {}).items()},
+                   {int(rows): sizes(value) for rows, value in data.get("batches", {}).items()})
+
+
+def _batch_key(rows: int) -> str:
+    """The key of a batch of ``rows`` rows' target costs among the tentative sizes' (drafters' keys name a
+    drafter)."""
+    return f"{TARGET}x{rows}"
 
 
 def _lookup(measured: dict[int, float], x: int) -> float:
@@ -114,75 +139,120 @@ def _fold(measured: dict[int, float], x: int, ms: float) -> None:
 
 @dataclass
 class Acceptance:
-    """A row's running chance that a draft at depth j is accepted given the drafts above it were, with
-    fading counts and an optimistic prior."""
+    """A row's running chance that a draft at depth j is accepted given the drafts above it were, per breadth k
+    (children per node), with fading counts and an optimistic prior.
 
-    reached: list[float] = field(default_factory=list)
-    passed: list[float] = field(default_factory=list)
+    One step informs every breadth up to the one it drafted: where a k-wide draft's accepted child is its
+    parent's r-th most likely, a draft r or more wide would have kept it, a narrower one would have stopped
+    there. (An estimate: a narrower EAGLE-2 tree also expands fewer nodes per level.) A chain informs k = 1."""
 
-    def rate(self, depth: int) -> float:
-        """a_depth (depth 1: the first draft)."""
+    reached: dict[int, list[float]] = field(default_factory=dict)  # breadth -> per depth
+    passed: dict[int, list[float]] = field(default_factory=dict)
+
+    def rate(self, depth: int, breadth: int = 1) -> float:
+        """a_depth(breadth) (depth 1: the first draft)."""
         i = depth - 1
-        reached = self.reached[i] if i < len(self.reached) else 0.0
-        passed = self.passed[i] if i < len(self.passed) else 0.0
-        return (passed + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+        reached, passed = self.reached.get(breadth, []), self.passed.get(breadth, [])
+        prior = 1 - (1 - PRIOR_ACCEPTANCE) * (1 - PRIOR_WIDER) ** (breadth - 1)
+        return ((passed[i] if i < len(passed) else 0.0) + prior * PRIOR_WEIGHT) / \
+            ((reached[i] if i < len(reached) else 0.0) + PRIOR_WEIGHT)
 
-    def expected(self, size: int) -> float:
-        """E(size): tokens a step yields with drafts ``size`` deep."""
+    def expected(self, size: int, breadth: int = 1) -> float:
+        """E(size, breadth): tokens a step yields with drafts ``size`` deep."""
         total, chance = 1.0, 1.0
         for depth in range(1, size + 1):
-            chance *= self.rate(depth)
+            chance *= self.rate(depth, breadth)
             total += chance
         return total
 
-    def record(self, proposed: int, accepted: int) -> None:
-        """A step that drafted ``proposed`` deep and kept ``accepted``: depths 1 .. accepted + 1 were reached
-        (if drafted), 1 .. accepted passed."""
-        self.reached = [value * MEMORY for value in self.reached]
-        self.passed = [value * MEMORY for value in self.passed]
-        while len(self.reached) < proposed:
-            self.reached.append(0.0)
-            self.passed.append(0.0)
-        for i in range(min(accepted + 1, proposed)):
-            self.reached[i] += 1
-        for i in range(accepted):
-            self.passed[i] += 1
+    def record(self, proposed: int, ranks: list[int], breadth: int = 1) -> None:
+        """A step that drafted ``proposed`` deep, ``breadth`` children per node, and kept a path whose nodes
+        were their parents' ``ranks``-th most likely children (1: the likeliest; a chain's are all 1). For each
+        breadth k up to ``breadth``, the path a k-wide draft keeps is the prefix of ranks <= k: depths 1 .. its
+        length + 1 were reached (if drafted), 1 .. its length passed."""
+        for counts in (*self.reached.values(), *self.passed.values()):
+            counts[:] = [value * MEMORY for value in counts]
+        for k in range(1, breadth + 1):
+            kept = next((i for i, rank in enumerate(ranks) if rank > k), len(ranks))
+            reached, passed = self.reached.setdefault(k, []), self.passed.setdefault(k, [])
+            while len(reached) < proposed:
+                reached.append(0.0)
+                passed.append(0.0)
+            for i in range(min(kept + 1, proposed)):
+                reached[i] += 1
+            for i in range(kept):
+                passed[i] += 1
+
+
+def breadths(top_k: int) -> list[int]:
+    """The breadths the planner weighs for trees of at most ``top_k`` children per node: 1 (a chain), the
+    powers of two below ``top_k``, and ``top_k``."""
+    return sorted({1, top_k} | {1 << i for i in range(top_k.bit_length()) if 1 << i < top_k})
 
 
 @dataclass(frozen=True)
 class Option:
-    """What a row can draft at size g: ``nodes(g)`` tokens for the target to check, under ``key``'s costs."""
+    """What a row of drafter ``drafter`` can draft: chains up to ``cap`` deep, or (``tree``: total nodes and
+    children per node, at most) trees up to ``cap`` deep at each of ``breadths(children)``."""
 
-    key: str
-    cap: int                   # the largest g (gamma, or the tree's depth)
+    drafter: str
+    cap: int                   # the largest depth (gamma, or the tree's depth)
     tree: tuple[int, int] | None = None  # (total nodes, children per node) for trees
 
-    def nodes(self, size: int) -> int:
-        return tree_nodes(size, *self.tree) if self.tree is not None else size
+    @classmethod
+    def of(cls, drafter: str, config, cap: int | None = None) -> "Option":
+        """What a row of ``config`` (a ``DecodeConfig``) drafting with ``drafter`` can draft, its depth capped at
+        ``cap`` too where given."""
+        depth = config.size_cap if cap is None else min(config.size_cap, cap)
+        return cls(drafter, depth, (config.tree_total_tokens, config.tree_top_k) if config.tree else None)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (depth, breadth) a row may draft, (0, 1) (nothing) first."""
+        widths = breadths(self.tree[1]) if self.tree is not None else [1]
+        return [(0, 1)] + [(size, k) for k in widths for size in range(1, self.cap + 1)]
+
+    def nodes(self, size: int, breadth: int = 1) -> int:
+        return tree_nodes(size, self.tree[0], breadth) if self.tree is not None else size
+
+    def widths(self) -> tuple[int, ...]:
+        """Every width (the newest token and the drafts) a row of this option may ask the target to verify."""
+        return tuple(sorted({1 + self.nodes(*shape) for shape in self.shapes()}))
+
+    def key(self, breadth: int = 1) -> str:
+        """Whose drafting costs a draft of this breadth adds to: the drafter's chains or its trees that wide."""
+        return draft_key(self.drafter, breadth)
+
+
+def draft_key(drafter: str, breadth: int) -> str:
+    """The profile's key of ``drafter``'s drafting at ``breadth`` children per node (1: a chain)."""
+    return f"{drafter}:chain" if breadth == 1 else f"{drafter}:tree{breadth}"
 
 
 def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
          shape: Callable[[int, int], tuple[int, int]] = lambda width, rows: (width, rows), others: int = 0,
-         rounds: int = 3) -> list[int]:
-    """Every row's draft size g (0: none) maximising the step's expected tokens per millisecond (see the
-    module docstring): each row in turn takes its best g given the others', a few rounds over the rows.
-    ``shape(width, rows)``: the padded shape a step of that many tokens per row and rows runs at (every row is
-    verified at the widest row's width); ``others``: rows of the step that are not planned here."""
-    sizes = [0] * len(options)
+         rounds: int = 3) -> list[tuple[int, int]]:
+    """Every row's draft (depth, breadth) ((0, 1): none) maximising the step's expected tokens per millisecond
+    (see the module docstring): each row in turn takes its best draft given the others', a few rounds over the
+    rows; ties go to the smaller draft. ``shape(width, rows)``: the padded shape a step of that many tokens per
+    row and rows runs at (every row is verified at the widest row's width); ``others``: rows of the step that
+    are not planned here."""
+    chosen = [(0, 1)] * len(options)
 
-    def rate(chosen: list[int]) -> float:
-        tokens = others + sum(acceptance.expected(g) for acceptance, g in zip(acceptances, chosen))
-        width, rows = shape(1 + max(option.nodes(g) for option, g in zip(options, chosen)), len(options) + others)
-        ms = profile.target_ms(width * rows) + sum(profile.draft_ms(option.key, g)
-                                                   for option, g in zip(options, chosen))
+    def rate(drafts: list[tuple[int, int]]) -> float:
+        tokens = others + sum(acceptance.expected(*draft) for acceptance, draft in zip(acceptances, drafts))
+        width, rows = shape(1 + max(option.nodes(*draft) for option, draft in zip(options, drafts)),
+                            len(options) + others)
+        ms = profile.target_ms(width, rows) + sum(profile.draft_ms(option.key(k), g)
+                                                   for option, (g, k) in zip(options, drafts))
         return tokens / ms if ms > 0 else math.inf
 
     for _ in range(rounds):
         changed = False
         for b, option in enumerate(options):
-            best = max(range(option.cap + 1), key=lambda g: (rate(sizes[:b] + [g] + sizes[b + 1:]), -g))
-            changed |= best != sizes[b]
-            sizes[b] = best
+            best = max(option.shapes(), key=lambda draft: (rate(chosen[:b] + [draft] + chosen[b + 1:]),
+                                                           -option.nodes(*draft), -draft[0]))
+            changed |= best != chosen[b]
+            chosen[b] = best
         if not changed:
             break
-    return sizes
+    return chosen

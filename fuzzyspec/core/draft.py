@@ -96,6 +96,11 @@ class Draft:
             children[parent + 1].append(node)
         return children
 
+    def ranks(self, path: list[int]) -> list[int]:
+        """Each node of ``path``'s place among its parent's children (1: the first drafted). Drafters that
+        branch list a node's children likeliest first, so this is how likely the draft found it."""
+        return [sum(parent == self.parent_ids[node] for parent in self.parent_ids[:node]) + 1 for node in path]
+
     def ancestors(self) -> Tensor:
         """[n, n] bool, on the CPU: entry (i, j) is True when node j is node i or one of its ancestors."""
         mask = torch.eye(len(self), dtype=torch.bool)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .config import DecodeConfig
-from .cost import Acceptance, Option, plan
+from .cost import Acceptance, Option, draft_key, plan
 from .draft import Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
@@ -84,6 +84,7 @@ class Row:
     sequence: Tensor  # [1, L]: the prompt and every emitted token
     prompt_len: int
     size: int  # drafts per step: a chain's length or a tree's depth (chosen per step by a schedule)
+    breadth: int  # children per drafted node: 1 for a chain (the cost schedule may narrow a tree to one)
     slot: int
     acceptance: Acceptance = field(default_factory=Acceptance)  # for the cost schedule
     finish_reason: str | None = None  # "stop" (EOS or the callback) or "length" once finished
@@ -170,7 +171,8 @@ class Engine:
                     features = target_features(found, drafter, self.step_fn.layer_count)
                     drafter.observe(0, features[b: b + 1, : input_ids.shape[1] - 1])
             row = Row(config, drafter, job.on_tokens, generator, Stats(method=config.method), time.perf_counter(),
-                      input_ids, input_ids.shape[1], config.size_cap, slot, logprobs=job.logprobs)
+                      input_ids, input_ids.shape[1], config.size_cap, config.tree_top_k if config.tree else 1,
+                      slot, logprobs=job.logprobs)
             row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
             self.slots[slot] = row
             added.append(row)
@@ -217,13 +219,13 @@ class Engine:
         for b, row in enumerate(self.slots):
             if row is None:
                 continue
-            budget = row.config.budget(row.size, row.remaining) if row.drafter is not None else None
+            budget = row.config.budget(row.size, row.remaining, row.breadth) if row.drafter is not None else None
             draft = None
             if budget is not None:
                 mark = self.timer.start()
                 draft = row.drafter.propose(row.sequence, budget, row.config.sampling, row.generator)
                 if draft is not None:
-                    key, size = _draft_key(row), row.size
+                    key, size = draft_key(row.drafter.name, row.breadth), row.size
                     self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_draft(key, size, ms))
             if row.config.draft_only and not row.drafter.wants_target_features and draft is not None and len(draft):
                 row.stats.record_step(len(draft), len(draft), None)  # the draft decodes alone: nothing to verify
@@ -252,21 +254,19 @@ class Engine:
         return finished
 
     def _plan(self) -> None:
-        """Choose this step's draft size for every row under the cost schedule (``cost.plan``): from the
-        measured costs of this target and drafter, and each row's running acceptance."""
+        """Choose this step's draft depth and breadth for every row under the cost schedule (``cost.plan``):
+        from the measured costs of this target and drafter, and each row's running acceptance."""
         planned = [(b, row) for b, row in enumerate(self.slots) if row is not None and row.drafter is not None
                    and row.config.gamma_schedule == "cost" and not row.config.draft_only and row.config.method != "ar"]
         if not planned:
             return
-        options = [Option(_draft_key(row), min(row.config.size_cap, max(row.remaining - 1, 0)),
-                          (row.config.tree_total_tokens, row.config.tree_top_k) if row.config.tree else None)
-                   for _, row in planned]
-        sizes = plan(options, [row.acceptance for _, row in planned], self.step_fn.profile, self.step_fn.shape,
-                     len(self.slots) - len(planned))
+        options = [Option.of(row.drafter.name, row.config, max(row.remaining - 1, 0)) for _, row in planned]
+        drafts = plan(options, [row.acceptance for _, row in planned], self.step_fn.profile, self.step_fn.shape,
+                      len(self.slots) - len(planned))
         if self.shards > 1:  # each rank timed its own steps: rank 0's plan is everyone's
-            sizes = agree(sizes)
-        for (_, row), size in zip(planned, sizes):
-            row.size = size
+            drafts = agree(drafts)
+        for (_, row), (size, breadth) in zip(planned, drafts):
+            row.size, row.breadth = size, breadth
 
     def _verify(self, drafts: dict[int, Draft | None]) -> None:
         """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them.
@@ -301,7 +301,7 @@ class Engine:
                                      write_positions(starts, width), mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
         if not self.step_fn.compiling:  # a compilation's seconds would price this width out for good
-            self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_target(rows * width, ms))
+            self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_target(width, ms, rows))
         pending = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
         for b, draft in drafts.items():
             if b not in pending:
@@ -322,7 +322,7 @@ class Engine:
             row.stats.target_forwards += 1
             row.stats.record_step(verdict.proposed, len(verdict.path), verdict.d)
             if row.config.gamma_schedule == "cost" and verdict.proposed:
-                row.acceptance.record(verdict.proposed, len(verdict.path))
+                row.acceptance.record(verdict.proposed, draft.ranks(verdict.path), row.breadth)
             if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
                 row.size = row.size + 2 if len(verdict.path) == verdict.proposed else max(1, row.size - 1)
             new = verdict.emitted
@@ -377,11 +377,6 @@ def _finish(pending: dict[int, Pending]) -> dict[int, Verdict]:
         verdicts[b] = entry.finish(values[start: start + count])
         start += count
     return verdicts
-
-
-def _draft_key(row: Row) -> str:
-    """Whose drafting costs a row's drafting adds to: the drafter, and its shape."""
-    return f"{row.drafter.name}:{'tree' if row.config.tree else 'chain'}"
 
 
 def _check(job: Job) -> None:

@@ -36,9 +36,11 @@ from tqdm.auto import tqdm
 from ..api import ModelPair, Result
 from ..core import parallel
 from ..core.config import DecodeConfig
+from ..core.cost import Option
 from ..files import write_whole
 from ..loading import EMBEDDED
 from ..options import BY_NAME, FUZZY
+from ..tuning import prepare
 from .calibrate import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, calibrate_pair
 from .quality import greedy_agreement, target_nll
 from .tasks import Example, Task, get_task
@@ -398,10 +400,14 @@ class Sweep:
             written = finished
 
     def _warm_up(self, spec: Spec, threshold: float | None) -> None:
-        """One short untimed call per drafter, so the first timed example pays no one-off costs."""
+        """One short untimed call per drafter, after compiling (where compiled) every one-row shape its drafts
+        may take, so the first timed example pays no one-off costs."""
         if spec.draft in self._warm:
             return
         config = self.config(spec, threshold, max_new_tokens=8, seed=0)
+        pair = self.pair(spec.draft)
+        if pair.draft is not None and config.method != "ar":
+            prepare(pair.step, Option.of(pair.draft.name, config))
         self.generate(spec, self.ids(self.examples[0]), config)
         self._warm.add(spec.draft)
 

@@ -68,9 +68,15 @@ class Server:
 
     def warm_up(self) -> None:
         """Compile the target's steps for one request of the server's defaults before the first client waits
-        for it (a compilation takes about a minute on a small CPU; shapes for larger batches compile as they
-        first occur)."""
-        self.pair.generate("Hello", config=self.pair.config(**{**self.config.defaults, "max_new_tokens": 8}))
+        for it: every one-row shape its drafts may take (a compilation takes seconds to a minute on a small
+        CPU; longer caches and larger batches compile as they first occur)."""
+        from ..core.cost import Option
+        from ..tuning import prepare
+
+        config = self.pair.config(**{**self.config.defaults, "max_new_tokens": 8})
+        if self.pair.draft is not None and config.method != "ar":
+            prepare(self.pair.step, Option.of(self.pair.draft.name, config))
+        self.pair.generate("Hello", config=config)
 
     async def _threshold(self, body: Options, config: DecodeConfig) -> DecodeConfig:
         """Resolve ``target_acceptance`` into a threshold (calibrated once per setting, off the event loop)."""

@@ -1,11 +1,12 @@
 """Cost-aware speculation: the planner's arithmetic, and the engine following it."""
+import json
 import math
 
 import torch
 
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.cost import Acceptance, Option, Profile, plan
+from fuzzyspec.core.cost import TRIALS, Acceptance, Option, Profile, plan
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
@@ -16,7 +17,7 @@ V = 32
 def accepting(rate: float, steps: int = 200) -> Acceptance:
     """The counts of a row that drafted 5 deep ``steps`` times, each draft accepted with probability ``rate``."""
     reached = [steps * rate ** depth for depth in range(5)]
-    return Acceptance(reached, [count * rate for count in reached])
+    return Acceptance({1: reached}, {1: [count * rate for count in reached]})
 
 
 def test_expected_tokens_follow_the_acceptance_per_depth():
@@ -25,14 +26,14 @@ def test_expected_tokens_follow_the_acceptance_per_depth():
     assert math.isclose(acceptance.expected(2), 1 + acceptance.rate(1) + acceptance.rate(1) * acceptance.rate(2))
     fresh = Acceptance()
     assert fresh.expected(1) == 1.6 and fresh.rate(3) == 0.6  # the optimistic prior
-    fresh.record(proposed=3, accepted=1)  # depth 1 passed, depth 2 was reached and failed, depth 3 unseen
-    assert fresh.reached == [1, 1, 0] and fresh.passed == [1, 0, 0]
+    fresh.record(proposed=3, ranks=[1])  # depth 1 passed, depth 2 was reached and failed, depth 3 unseen
+    assert fresh.reached == {1: [1, 1, 0]} and fresh.passed == {1: [1, 0, 0]}
 
 
 def test_where_verifying_costs_as_much_as_decoding_nothing_is_proposed():
     profile = Profile(target={m: 10.0 * m for m in range(1, 40)})  # k tokens cost k single steps
-    options = [Option("d:chain", 5)]
-    assert plan(options, [accepting(0.9)], profile) == [0]
+    options = [Option("d", 5)]
+    assert plan(options, [accepting(0.9)], profile) == [(0, 1)]
 
 
 def test_where_verifying_is_nearly_free_the_arithmetic_picks_the_size():
@@ -41,9 +42,9 @@ def test_where_verifying_is_nearly_free_the_arithmetic_picks_the_size():
     acceptance = accepting(0.7)
     rates = {g: acceptance.expected(g) / (profile.target_ms(1 + g) + profile.draft_ms("d:chain", g))
              for g in range(6)}
-    assert plan([Option("d:chain", 5)], [acceptance], profile) == [max(rates, key=rates.get)]
-    assert plan([Option("d:chain", 5)], [acceptance], profile) == plan([Option("d:chain", 5)], [acceptance], profile)
-    assert plan([Option("d:chain", 2)], [acceptance], profile)[0] <= 2  # the cap holds
+    assert plan([Option("d", 5)], [acceptance], profile) == [(max(rates, key=rates.get), 1)]
+    assert plan([Option("d", 5)], [acceptance], profile) == plan([Option("d", 5)], [acceptance], profile)
+    assert plan([Option("d", 2)], [acceptance], profile)[0][0] <= 2  # the cap holds
 
 
 def test_a_smaller_draft_than_any_measured_is_costed_as_its_share_not_as_the_largest():
@@ -51,19 +52,57 @@ def test_a_smaller_draft_than_any_measured_is_costed_as_its_share_not_as_the_lar
     steps: a 1-deep proposal is then priced at a fifth of that, so the cheap size that pays gets tried."""
     profile = Profile(target={1: 10.0, 2: 10.5, 6: 25.0}, draft={"d:chain": {5: 14.0}})
     assert profile.draft_ms("d:chain", 1) == 14.0 / 5 and profile.draft_ms("d:chain", 0) == 0.0
-    assert plan([Option("d:chain", 5)], [accepting(0.7)], profile) == [1]
+    assert plan([Option("d", 5)], [accepting(0.7)], profile) == [(1, 1)]
+
+
+def accepting_wide(rates: dict[int, float], steps: int = 200) -> Acceptance:
+    """Counts as ``accepting`` gives, per breadth: drafts ``k`` wide accepted with probability ``rates[k]``."""
+    acceptance = Acceptance()
+    for breadth, rate in rates.items():
+        counted = accepting(rate, steps)
+        acceptance.reached[breadth], acceptance.passed[breadth] = counted.reached[1], counted.passed[1]
+    return acceptance
 
 
 def test_trees_are_costed_by_their_nodes_and_batches_by_their_padded_shape():
-    option = Option("h:tree", 5, (16, 4))
-    assert [option.nodes(g) for g in range(6)] == [0, 4, 16, 16, 16, 16]
+    option = Option("h", 5, (16, 4))
+    assert [option.nodes(g, 4) for g in range(6)] == [0, 4, 16, 16, 16, 16]
+    assert [option.nodes(g, 1) for g in range(6)] == [0, 1, 2, 3, 4, 5]  # one child per node: a chain
+    assert {k for _, k in option.shapes()} == {1, 2, 4} and option.key(4) == "h:tree4" and option.key(1) == "h:chain"
     profile = Profile(target={1: 10.0, 17: 10.0, 18: 40.0, 128: 40.0})  # up to 17 tokens as cheap as one
-    # alone, a tree of any depth (17 tokens at most) is as cheap as one token: the deepest tree wins
-    assert plan([option], [accepting(0.8)], profile) == [5]
-    # beside 3 other rows, every row is padded to the tree's width: 4 x 5 or 4 x 17 tokens are too dear
-    assert plan([option], [accepting(0.8)], profile, others=3) == [0]
-    # two rows: depth 1 (4 nodes: 2 x 5 tokens) still costs one step; depth 2 (2 x 17 tokens) would not
-    assert plan([option, option], [accepting(0.8), accepting(0.8)], profile) == [1, 1]
+    acceptance = accepting_wide({1: 0.6, 2: 0.7, 4: 0.8})
+    # alone, a tree of any depth (17 tokens at most) is as cheap as one token: the deepest, widest tree wins
+    assert plan([option], [acceptance], profile) == [(5, 4)]
+    # beside 3 other rows every row is padded to the widest row's width: a tree's 5 tokens a row are too dear,
+    # a chain 3 deep (4 x 4 tokens) is not
+    assert plan([option], [acceptance], profile, others=3) == [(3, 1)]
+
+
+def test_where_a_wide_forward_is_dear_a_tree_narrows_to_a_chain_and_where_it_is_cheap_it_widens():
+    """As measured on an AVX-512 CPU with int4 weights, compiled: 5 tokens cost 1.7 steps, 2 cost 1.1, so a tree
+    4 wide does not pay even at depth 1 while a chain does; in bfloat16 every width up to 17 costs about one step."""
+    option = Option("h", 5, (16, 4))
+    acceptance = accepting_wide({1: 0.6, 2: 0.7, 4: 0.8})
+    drafting = {"h:chain": {g: 1.1 * g for g in range(1, 6)}, "h:tree2": {g: 1.2 * g for g in range(1, 6)},
+                "h:tree4": {g: 1.3 * g for g in range(1, 6)}}
+    int4 = Profile(target={1: 6.0, 2: 6.5, 4: 7.5, 6: 10.3, 17: 18.6}, draft=drafting)
+    depth, breadth = plan([option], [acceptance], int4)[0]
+    assert breadth == 1 and depth >= 1
+    bf16 = Profile(target={1: 22.1, 2: 21.6, 4: 21.5, 6: 19.5, 17: 29.5}, draft=drafting)
+    assert plan([option], [acceptance], bf16)[0][1] == 4
+
+
+def test_a_wide_step_informs_every_narrower_breadth():
+    """A tree 4 wide whose path took its parents' 1st then 2nd likeliest child: a chain would have kept one
+    draft, anything 2 or more wide both; a chain's step tells nothing of wider drafts."""
+    acceptance = Acceptance()
+    acceptance.record(proposed=3, ranks=[1, 2], breadth=4)
+    assert acceptance.reached[1] == [1, 1, 0] and acceptance.passed[1] == [1, 0, 0]
+    for k in (2, 3, 4):
+        assert acceptance.reached[k] == [1, 1, 1] and acceptance.passed[k] == [1, 1, 0]
+    acceptance.record(proposed=2, ranks=[1, 1])
+    assert acceptance.passed[1][:2] == [0.95 + 1, 1] and acceptance.passed[4] == [0.95, 0.95, 0]
+    assert Acceptance().rate(1, 4) > Acceptance().rate(1, 2) > Acceptance().rate(1, 1) == 0.6  # the prior widens
 
 
 def test_the_engine_runs_ar_where_speculation_cannot_pay_and_stays_exact_where_it_does(target, draft):
@@ -112,10 +151,37 @@ def test_a_slow_first_measurement_does_not_price_a_size_out():
     profile = Profile(target={1: 10.0}, draft={"d:chain": {1: 1.0}})
     profile.observe_target(2, 40.0)  # a noisy first pass of 2 tokens
     assert profile.target_ms(2) == 10.0  # still untried to the planner: the nearest narrower width's cost
-    assert plan([Option("d:chain", 1)], [accepting(0.7)], profile) == [1]
+    assert plan([Option("d", 1)], [accepting(0.7)], profile) == [(1, 1)]
     assert profile.to_dict()["target"] == {"1": 10.0}
     profile.observe_target(2, 11.0)
     profile.observe_target(2, 12.0)
     assert profile.target_ms(2) == 11.0 and profile.to_dict()["target"] == {"1": 10.0, "2": 11.0}
     profile.observe_target(2, 20.0)  # settled: later measurements move it by a fraction
     assert 11.0 < profile.target_ms(2) < 20.0
+
+
+def test_a_batchs_costs_are_kept_apart_from_one_rows():
+    """Four rows of one token need not cost what one row of four does: each row count has its own curve, kept
+    through a save, and a row count not yet measured is guessed from the one-row curve."""
+    profile = Profile(target={1: 6.0, 4: 7.5})
+    assert profile.target_ms(1, rows=4) == 7.5  # not measured yet: one row of 4 tokens
+    for _ in range(TRIALS):
+        profile.observe_target(1, 14.0, rows=4)
+    assert profile.target_ms(1, rows=4) == 14.0 and profile.target_ms(4) == 7.5
+    assert profile.target_ms(2, rows=4) == 14.0  # an untried width of a measured row count: its narrower one's
+    saved = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert saved.batches == {4: {1: 14.0}} and saved.target == {1: 6.0, 4: 7.5}
+
+
+def test_prepare_compiles_every_shape_the_schedule_may_pick():
+    """Compiled ahead, every width a tree row's drafts may take (each breadth, each depth), so that decoding
+    under the cost schedule never stops to compile a one-row shape at that cache size."""
+    from fuzzyspec import tuning
+
+    step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 2, 4, 8, 16))
+    compiled = []
+    step.on_compile = lambda rows, width: compiled.append(width)
+    option = Option("h", 3, (6, 2))
+    assert option.widths() == (1, 2, 3, 4, 7)  # nothing, chains 1-3 deep, trees 2 wide of 2 and 6 nodes
+    tuning.prepare(step, option)
+    assert sorted(compiled) == [1, 2, 4, 8]  # each padded to its width bucket, once

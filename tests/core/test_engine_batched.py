@@ -239,5 +239,7 @@ def test_drafts_keep_their_shape_on_the_host():
     assert draft.parents.device.type == "cpu" and draft.is_chain and draft.depths == [1, 2, 3]
     tree = Draft(torch.tensor([3, 4, 5]), torch.tensor([-1, -1, 0]))
     assert not tree.is_chain and tree.children == [[0, 1], [2], [], []] and tree.depths == [1, 1, 2]
+    # a path's places among siblings (the cost schedule learns from them how wide a draft needs to be)
+    assert tree.ranks([1]) == [2] and tree.ranks([0, 2]) == [1, 1] and draft.ranks([0, 1, 2]) == [1, 1, 1]
     with pytest.raises(ValueError, match="parent"):
         Draft(torch.tensor([3, 4]), torch.tensor([-1, 1]))

@@ -131,3 +131,38 @@ def test_tree_thresholds(model, head):
         hybrid = tree_run(model, head, prompt, method="fsd-hybrid", threshold=0.0, max_new_tokens=30, seed=seed,
                           sampling=Sampling(temperature=1.0))[0]
         assert exact.tolist() == hybrid.tolist()
+
+
+def test_a_tree_narrowed_to_a_chain_between_trees_drafts_what_the_tree_would(model, head, monkeypatch):
+    """Under the cost schedule a tree row may draft a chain one step and a tree the next: every draft's first
+    distribution still equals the head run from scratch on the target's true features, a chain's tokens are the
+    head's likeliest (the tree's own first path), and greedy sd stays the target's greedy output."""
+    import fuzzyspec.core.engine as engine
+
+    turns = iter([(3, 1), (3, 2), (2, 1), (4, 3)] * 20)
+    monkeypatch.setattr(engine, "plan", lambda options, *rest, **kw: [next(turns) for _ in options])
+    drafter = EagleDrafter(head, model, V)
+    original, seen = drafter.propose, []
+
+    def checking(sequence, budget, sampling, generator):
+        draft = original(sequence, budget, sampling, generator)
+        f = features_of(model, sequence[:, :-1])
+        with torch.no_grad():
+            e = model.get_input_embeddings()(sequence[:, 1:])
+            expected = model.get_output_embeddings()(head(e, f)[:, -1])
+        assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
+        if draft.is_chain:
+            assert draft.tokens[0] == expected[0].argmax() and not draft.sampled
+        seen.append(budget.tree[2] if budget.tree is not None else 1)
+        return draft
+
+    drafter.propose = checking
+    prompt = [5, 6, 7, 8, 1]
+    config = DecodeConfig(method="sd", tree=True, tree_top_k=3, gamma_schedule="cost", max_new_tokens=40,
+                          sampling=Sampling(temperature=1.0), seed=0)
+    decode(model, drafter, torch.tensor([prompt]), config, V)
+    assert {1, 2, 3} <= set(seen)
+    greedy = DecodeConfig(method="sd", tree=True, tree_top_k=3, gamma_schedule="cost", max_new_tokens=40)
+    tokens, _ = decode(model, drafter, torch.tensor([prompt]), greedy, V)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):]
+    assert tokens[0].tolist() == expected.tolist()
