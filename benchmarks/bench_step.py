@@ -192,9 +192,15 @@ def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], Target
                 seconds, made, passes, accept_s = llama.generate(ids[0].tolist(), tokens), tokens, tokens, 0.0
             else:
                 _, pair, options = next(c for c in configs if c[0] == label)
+                compiled = []
+                pair.step.on_compile = lambda rows, width: compiled.append(width)
                 clock = time.perf_counter()
                 result = pair.generate(ids, **(common | options))
                 seconds = time.perf_counter() - clock
+                pair.step.on_compile = None
+                if compiled:  # the warm-up missed a shape: say so, as its seconds are in this row's time
+                    print(f"fuzzyspec: {label} compiled width {compiled} in prompt {index + 1} ({seconds:.1f} s)",
+                          file=sys.stderr, flush=True)
                 made, passes, accept_s = result.stats.new_tokens, result.stats.target_forwards, result.stats.accept_s
             total = totals[label]
             total["tokens"] += made

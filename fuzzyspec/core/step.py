@@ -243,9 +243,11 @@ class TargetStep:
         self.compiling = False
         if not (compiled and self.compile):
             return self.forward(cache, tokens, positions, write, mask, slots, keep, features)
-        # Contiguous inputs: a graph is then chosen by the shapes and Python values in ``call`` alone.
-        tokens, positions, write, mask = (t.contiguous() for t in (tokens, positions, write, mask))
-        slots = slots.contiguous() if slots is not None else None
+        # Packed inputs: a graph is then chosen by the shapes and Python values in ``call`` alone.
+        if write is positions:  # dynamo guards on aliasing too: a graph for one tensor would not serve two
+            write = positions.clone()
+        tokens, positions, write, mask = (_packed(t) for t in (tokens, positions, write, mask))
+        slots = _packed(slots) if slots is not None else None
         call = (tuple(tokens.shape), tuple(mask.shape), tuple(cache.keys[0].shape), cache.keys[0].dtype,
                 None if slots is None else tuple(slots.shape), keep, torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled())
@@ -284,3 +286,15 @@ class TargetStep:
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
             self._compiled = torch.compile(self.forward, dynamic=False)
         return self._compiled
+
+
+def _packed(tensor: Tensor) -> Tensor:
+    """``tensor`` with the strides of a fresh tensor of its shape. ``contiguous()`` is not enough: a [1, w] slice
+    of a longer row counts as contiguous but keeps the row's stride, and dynamo guards on every stride, so a
+    graph compiled for the slice (as ``tuning.prepare`` fed it) was compiled again for the engine's own inputs,
+    inside a timed answer."""
+    strides, size = [], 1
+    for length in reversed(tensor.shape):
+        strides.append(size)
+        size *= length
+    return tensor if tensor.stride() == tuple(reversed(strides)) else tensor.clone(memory_format=torch.contiguous_format)

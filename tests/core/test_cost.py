@@ -185,3 +185,19 @@ def test_prepare_compiles_every_shape_the_schedule_may_pick():
     assert option.widths() == (1, 2, 3, 4, 7)  # nothing, chains 1-3 deep, trees 2 wide of 2 and 6 nodes
     tuning.prepare(step, option)
     assert sorted(compiled) == [1, 2, 4, 8]  # each padded to its width bucket, once
+
+
+def test_the_graphs_prepared_ahead_are_the_ones_decoding_runs():
+    """Dynamo guards on strides too: graphs compiled for ``prepare``'s sliced inputs were compiled again for
+    the engine's own (a 7-10 s stop inside a timed answer). After ``prepare``, decoding compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from fuzzyspec import tuning
+
+    step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 2, 4))
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=12, gamma_schedule="constant")
+    tuning.prepare(step, Option.of("ModelDrafter", config))
+    graphs = counters["stats"]["unique_graphs"]
+    decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
+    decode(step, None, torch.tensor([[1, 2, 3]]), DecodeConfig(method="ar", max_new_tokens=4), V)
+    assert counters["stats"]["unique_graphs"] == graphs
