@@ -29,6 +29,14 @@ def features_of(model, tokens):
         return model(tokens, output_hidden_states=True).hidden_states[-1]
 
 
+def logits_from_scratch(model, head, sequence):
+    """The head's logits for the token after ``sequence``, run over the target's true features of all of it."""
+    f = features_of(model, sequence[:, :-1])
+    with torch.no_grad():
+        e = model.get_input_embeddings()(sequence[:, 1:])
+        return model.get_output_embeddings()(head(e, f)[:, -1])
+
+
 def test_cached_forward_equals_full_forward(model, head):
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5]])
     f, e = features_of(model, tokens), model.get_input_embeddings()(tokens)
@@ -79,11 +87,7 @@ def test_drafts_match_a_recomputation_from_true_features(model, head, method, te
 
     def checking(sequence, budget, sampling, generator):
         draft = original(sequence, budget, sampling, generator)
-        f = features_of(model, sequence[:, :-1])
-        with torch.no_grad():
-            e = model.get_input_embeddings()(sequence[:, 1:])
-            expected = model.get_output_embeddings()(head(e, f)[:, -1])
-        assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
+        assert torch.allclose(draft.logits[0], logits_from_scratch(model, head, sequence)[0], atol=1e-4)
         checked.append(len(draft))
         return draft
 
@@ -146,10 +150,7 @@ def test_a_tree_narrowed_to_a_chain_between_trees_drafts_what_the_tree_would(mod
 
     def checking(sequence, budget, sampling, generator):
         draft = original(sequence, budget, sampling, generator)
-        f = features_of(model, sequence[:, :-1])
-        with torch.no_grad():
-            e = model.get_input_embeddings()(sequence[:, 1:])
-            expected = model.get_output_embeddings()(head(e, f)[:, -1])
+        expected = logits_from_scratch(model, head, sequence)
         assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
         if draft.is_chain:
             assert draft.tokens[0] == expected[0].argmax() and not draft.sampled
