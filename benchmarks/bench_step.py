@@ -43,7 +43,7 @@ from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
 from fuzzyspec.core import int4
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.cost import Option, breadths
+from fuzzyspec.core.cost import breadths
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.loading import cache_dir, embedded_gguf
 
@@ -166,8 +166,8 @@ def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], Target
     longest = max(ids.shape[1] for ids in encoded) + tokens
     capacities = tuple(256 << i for i in range(8) if 256 << i < 2 * longest)
     for label, pair, options in configs:
-        if pair.draft is not None:  # every shape the schedule may pick, at every cache size decoding reaches
-            tuning.prepare(pair.step, Option.of(pair.draft.name, pair.config(**(common | options))), capacities)
+        # every shape the schedule may pick, at every cache size decoding reaches
+        tuning.prepare(pair, pair.config(**(common | options)), capacities)
         # Again while a pass still compiles: the draft sizes the cost schedule picks (so the widths a step runs
         # at) change as its measurements come in, and a width compiled inside a timed prompt costs ~20 s.
         compiled = []

@@ -710,9 +710,9 @@ def _tune(args: argparse.Namespace) -> None:
             if pair.draft.drafts_trees:
                 options["trees"] = Option(pair.draft.name, drafter.tree_depth,
                                           (drafter.tree_total_tokens, drafter.tree_top_k))
-        for breadth in sorted({k for option in options.values() for _, k in option.shapes()}):
+        for breadth in sorted({k for option in options.values() for k in option.breadths()}):
             tuning.progress_line(f"{pair.draft.name} drafting {'chains' if breadth == 1 else f'{breadth}-wide trees'}")
-            cap = max(option.cap for option in options.values() if breadth in {k for _, k in option.shapes()})
+            cap = max(option.cap for option in options.values() if breadth in option.breadths())
             step.profile.draft[draft_key(pair.draft.name, breadth)] = tuning.measure_drafter(pair, breadth,
                                                                                              range(1, cap + 1))
         tuning.save(key, step.profile)

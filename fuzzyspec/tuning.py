@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .core import int4
-from .core.cost import PRIOR_WIDER, Acceptance, Option, Profile, plan
+from .core.cost import Acceptance, Option, Profile, plan, widened
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
 from .files import write_whole
@@ -160,14 +160,15 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
     return result, compile_s
 
 
-def prepare(step: TargetStep, option: Option, capacities: tuple[int, ...] = (256,),
-            progress: Callable[[str], None] | None = None) -> None:
-    """Compile, ahead, every one-row shape a row drafting as ``option`` allows can ask ``step`` to verify, at
-    each cache capacity in ``capacities``: the cost schedule moves between draft sizes as its measurements come
-    in, and a shape first met while decoding stops that row for the seconds a compilation takes."""
-    if step.compile:
+def prepare(pair, config, capacities: tuple[int, ...] = (256,), progress: Callable[[str], None] | None = None) -> None:
+    """Where the pair's step is compiled and ``config`` (a ``DecodeConfig``) drafts, compile ahead every one-row
+    shape its drafts can ask the step to verify, at each cache capacity in ``capacities``: the cost schedule moves
+    between draft sizes as its measurements come in, and a shape first met while decoding stops that row for
+    the seconds a compilation takes."""
+    if pair.step.compile and pair.draft is not None and config.method != "ar":
+        widths = Option.of(pair.draft.name, config).widths()
         for capacity in capacities:
-            measure_target(step, option.widths(), repeats=1, compiled=True, progress=progress, capacity=capacity)
+            measure_target(pair.step, widths, repeats=1, compiled=True, progress=progress, capacity=capacity)
 
 
 @torch.inference_mode()
@@ -202,8 +203,8 @@ def choices(profile: Profile, options: dict[str, Option], rates: tuple[float, ..
         picked[name] = {}
         for rate in rates:  # as if seen 100 times
             acceptance = Acceptance()
-            for breadth in {k for _, k in option.shapes()}:
-                first = 1 - (1 - rate) * (1 - PRIOR_WIDER) ** (breadth - 1)
+            for breadth in option.breadths():
+                first = widened(rate, breadth)
                 acceptance.reached[breadth] = [100.0] * option.cap
                 acceptance.passed[breadth] = [100.0 * first * 0.95 ** j for j in range(option.cap)]
             picked[name][rate] = plan([option], [acceptance], profile)[0]

@@ -153,7 +153,7 @@ class Acceptance:
         """a_depth(breadth) (depth 1: the first draft)."""
         i = depth - 1
         reached, passed = self.reached.get(breadth, []), self.passed.get(breadth, [])
-        prior = 1 - (1 - PRIOR_ACCEPTANCE) * (1 - PRIOR_WIDER) ** (breadth - 1)
+        prior = widened(PRIOR_ACCEPTANCE, breadth)
         return ((passed[i] if i < len(passed) else 0.0) + prior * PRIOR_WEIGHT) / \
             ((reached[i] if i < len(reached) else 0.0) + PRIOR_WEIGHT)
 
@@ -184,6 +184,12 @@ class Acceptance:
                 passed[i] += 1
 
 
+def widened(rate: float, breadth: int) -> float:
+    """The acceptance a draft ``breadth`` children wide is assumed to reach where a chain's is ``rate``: each
+    further child catches ``PRIOR_WIDER`` of what the ones before it missed."""
+    return 1 - (1 - rate) * (1 - PRIOR_WIDER) ** (breadth - 1)
+
+
 def breadths(top_k: int) -> list[int]:
     """The breadths the planner weighs for trees of at most ``top_k`` children per node: 1 (a chain), the
     powers of two below ``top_k``, and ``top_k``."""
@@ -206,10 +212,13 @@ class Option:
         depth = config.size_cap if cap is None else min(config.size_cap, cap)
         return cls(drafter, depth, (config.tree_total_tokens, config.tree_top_k) if config.tree else None)
 
+    def breadths(self) -> list[int]:
+        """The breadths a row may draft at: 1 (chains) alone, or ``breadths`` of its tree's children."""
+        return breadths(self.tree[1]) if self.tree is not None else [1]
+
     def shapes(self) -> list[tuple[int, int]]:
         """Every (depth, breadth) a row may draft, (0, 1) (nothing) first."""
-        widths = breadths(self.tree[1]) if self.tree is not None else [1]
-        return [(0, 1)] + [(size, k) for k in widths for size in range(1, self.cap + 1)]
+        return [(0, 1)] + [(size, k) for k in self.breadths() for size in range(1, self.cap + 1)]
 
     def nodes(self, size: int, breadth: int = 1) -> int:
         return tree_nodes(size, self.tree[0], breadth) if self.tree is not None else size

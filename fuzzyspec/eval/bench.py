@@ -36,7 +36,6 @@ from tqdm.auto import tqdm
 from ..api import ModelPair, Result
 from ..core import parallel
 from ..core.config import DecodeConfig
-from ..core.cost import Option
 from ..files import write_whole
 from ..loading import EMBEDDED
 from ..options import BY_NAME, FUZZY
@@ -405,9 +404,7 @@ class Sweep:
         if spec.draft in self._warm:
             return
         config = self.config(spec, threshold, max_new_tokens=8, seed=0)
-        pair = self.pair(spec.draft)
-        if pair.draft is not None and config.method != "ar":
-            prepare(pair.step, Option.of(pair.draft.name, config))
+        prepare(self.pair(spec.draft), config)
         self.generate(spec, self.ids(self.examples[0]), config)
         self._warm.add(spec.draft)
 

@@ -70,12 +70,10 @@ class Server:
         """Compile the target's steps for one request of the server's defaults before the first client waits
         for it: every one-row shape its drafts may take (a compilation takes seconds to a minute on a small
         CPU; longer caches and larger batches compile as they first occur)."""
-        from ..core.cost import Option
         from ..tuning import prepare
 
         config = self.pair.config(**{**self.config.defaults, "max_new_tokens": 8})
-        if self.pair.draft is not None and config.method != "ar":
-            prepare(self.pair.step, Option.of(self.pair.draft.name, config))
+        prepare(self.pair, config)
         self.pair.generate("Hello", config=config)
 
     async def _threshold(self, body: Options, config: DecodeConfig) -> DecodeConfig:

@@ -1,6 +1,7 @@
 """Cost-aware speculation: the planner's arithmetic, and the engine following it."""
 import json
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -181,9 +182,11 @@ def test_prepare_compiles_every_shape_the_schedule_may_pick():
     step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 2, 4, 8, 16))
     compiled = []
     step.on_compile = lambda rows, width: compiled.append(width)
-    option = Option("h", 3, (6, 2))
+    config = DecodeConfig(method="sd", tree=True, tree_total_tokens=6, tree_depth=3, tree_top_k=2)
+    option = Option.of("h", config)
+    assert option == Option("h", 3, (6, 2))
     assert option.widths() == (1, 2, 3, 4, 7)  # nothing, chains 1-3 deep, trees 2 wide of 2 and 6 nodes
-    tuning.prepare(step, option)
+    tuning.prepare(SimpleNamespace(step=step, draft=SimpleNamespace(name="h")), config)
     assert sorted(compiled) == [1, 2, 4, 8]  # each padded to its width bucket, once
 
 
@@ -196,7 +199,7 @@ def test_the_graphs_prepared_ahead_are_the_ones_decoding_runs():
 
     step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 2, 4))
     config = DecodeConfig(method="sd", gamma=3, max_new_tokens=12, gamma_schedule="constant")
-    tuning.prepare(step, Option.of("ModelDrafter", config))
+    tuning.prepare(SimpleNamespace(step=step, draft=SimpleNamespace(name="ModelDrafter")), config)
     graphs = counters["stats"]["unique_graphs"]
     decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
     decode(step, None, torch.tensor([[1, 2, 3]]), DecodeConfig(method="ar", max_new_tokens=4), V)
