@@ -722,8 +722,7 @@ def _tune(args: argparse.Namespace) -> None:
     from .loading import auto_may_hold_int4
 
     if args.weights == "auto" and auto_may_hold_int4(args.target, args.dtype, device) and "eager" in report["profiles"]:
-        form = loaded.profile_key.split("|")[1]
-        report["weights"] = _compare_weights(args, device, form, report["profiles"]["eager"]["target_ms"])
+        report["weights"] = _compare_weights(args, device, report["profiles"]["eager"]["target_ms"])
     if len(report["profiles"]) == 2:
         eager, compiled = (report["profiles"][mode]["target_ms"][1] for mode in ("eager", "compiled"))
         report["compile_pays"] = compiled < 0.9 * eager
@@ -753,13 +752,17 @@ def _tune(args: argparse.Namespace) -> None:
               f"{'compile' if report['compile_pays'] else 'stay eager'} by default")
 
 
-def _compare_weights(args: argparse.Namespace, device: str, form: str, measured_ms: dict[int, float]) -> dict:
+def _compare_weights(args: argparse.Namespace, device: str, measured_ms: dict[int, float]) -> dict:
     """Time one eager step of the GGUF target in the other weights form (int4, or dequantized to its float
-    dtype) beside the step just measured in ``form``, and note the faster form, which ``--weights auto`` then
-    holds on this machine (so a later tune measures both again, whichever auto holds now)."""
+    dtype) beside the step just measured in the form ``--weights auto`` holds now, and note the faster form,
+    which auto then holds on this machine (so a later tune measures both again, whichever auto holds)."""
     from . import tuning
     from .core.step import TargetStep
-    from .loading import FLOAT_WEIGHTS, load_model, resolve_dtype
+    from .loading import FLOAT_WEIGHTS, load_model, resolve_dtype, weight_form
+
+    # Asked of the loader itself (a profile key names the int4 form with its kernel's ISA, "int4 (avx2)": read
+    # from there, int4 was taken for a float form, timed against itself, and noise could pin auto to floats).
+    form = weight_form(args.target, "auto", args.dtype, device)
 
     width = min(measured_ms)
     dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .core import int4
-from .core.cost import Acceptance, Option, Profile, plan, widened
+from .core.cost import Acceptance, Option, Profile, draft_key, plan, widened
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
 from .files import write_whole
@@ -65,7 +65,7 @@ def _here() -> tuple[str, ...]:
 def _step_code() -> str:
     """A digest of the sources that decide what a target step costs, and how its costs are estimated."""
     core = Path(__file__).parent / "core"
-    sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp", "cost.py")]
+    sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp", "cost.py", "engine.py")]
     return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:8]
 
 
@@ -174,23 +174,30 @@ def prepare(pair, config, capacities: tuple[int, ...] = (256,), progress: Callab
 @torch.inference_mode()
 def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how a bicycle stays upright.",
                     repeats: int = 5) -> dict[int, float]:
-    """Milliseconds of one proposal of each size (chain tokens, or tree depth) by the pair's drafter, at
-    ``breadth`` children per node (1: chains), after the target has read ``prompt`` (feature-reading drafters
-    need its features)."""
-    from .core.engine import Engine
+    """Milliseconds that drafting each size (chain tokens, or tree depth) at ``breadth`` children per node (1:
+    chains) adds to a step of the pair's target, priced as decoding prices it (``Engine._price``: all a step
+    spends beyond its forward and beyond a step that drafts nothing), over ``repeats`` or more steps of
+    decoding ``prompt`` at that size. Measured apart from the pair's profile, which is left as it was."""
+    from .core.engine import decode
 
-    tree = {"tree": True, "tree_top_k": breadth} if breadth > 1 else {"tree": False}
-    config = pair.config(method="sd", gamma_schedule="constant", max_new_tokens=64, **tree)
-    drafter = pair.drafter(config)
-    engine = Engine(pair.step, pair.vocab_size)
-    row = engine.add(pair.encode(prompt), config, drafter)
-    engine.step()  # the target's first pass: the drafter now holds features of the prompt
-    result = {}
-    for size in sizes:
-        budget = config.budget(size, 64)
-        result[size] = _median_ms(lambda: drafter.propose(row.sequence, budget, config.sampling, row.generator),
-                                  repeats)
-    return result
+    kept, pair.step.profile = pair.step.profile, Profile()
+    try:
+        ids = pair.encode(prompt)
+        ar = pair.config(method="ar", max_new_tokens=2 * repeats, eos_token_ids=())
+        decode(pair.step, None, ids, ar, pair.vocab_size)  # what a step that drafts nothing spends
+        result = {}
+        for size in sizes:
+            shape = {"tree": True, "tree_top_k": breadth, "tree_depth": size} if breadth > 1 else \
+                {"tree": False, "gamma": size}
+            config = pair.config(method="sd", gamma_schedule="constant", max_new_tokens=repeats * (size + 1) + 1,
+                                 eos_token_ids=(), **shape)
+            decode(pair.step, pair.drafter(config), ids, config, pair.vocab_size)
+            measured = pair.step.profile.draft.get(draft_key(pair.draft.name, breadth), {})
+            if size in measured:  # (not where every step compiled)
+                result[size] = measured[size]
+        return result
+    finally:
+        pair.step.profile = kept
 
 
 def choices(profile: Profile, options: dict[str, Option], rates: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)

@@ -123,9 +123,9 @@ def test_tune_compares_weights_again_whichever_form_auto_holds(tmp_path, monkeyp
     monkeypatch.setattr(loading, "load_model", lambda name, dtype, device, weights: loaded.append(weights) or
                         (tiny_llama(), None))
     monkeypatch.setattr(tuning, "measure_target", lambda step, widths: ({1: 20.0}, {}))
-    args = argparse.Namespace(target=None)
-    report = cli._compare_weights(args, "cpu", "torch.float32", {1: 30.0})
+    args = argparse.Namespace(target=None, dtype="auto")
+    report = cli._compare_weights(args, "cpu", {1: 30.0})  # auto holds float32: int4 is timed beside it
     assert loaded == ["int4"] and report == {"step_ms": {"int4": 20.0, "float32": 30.0}, "fastest": "int4"}
     assert weight_form(None) == "int4"
-    report = cli._compare_weights(args, "cpu", "int4", {1: 35.0})  # and from int4, the float form is timed
+    report = cli._compare_weights(args, "cpu", {1: 35.0})  # and from int4, the float form is timed
     assert loaded == ["int4", "fp32"] and report["fastest"] == "fp32" and weight_form(None) == "float32"

@@ -7,15 +7,18 @@ row whose drafts pass depth j with probability a_j(k) (its own running acceptanc
 
     E(g, k) = 1 + a_1(k) + a_1(k) a_2(k) + ... + a_1(k) ... a_g(k)   (the target's token, then accepted drafts).
 
-The planner picks every row's (g, k) to maximise tokens per second, sum E_b / (T(M) + sum D_b(g_b, k_b)), with
-T and D from a ``Profile`` of measured times; g = 0 (propose nothing) is always a candidate, so a row for
+The planner picks every row's (g, k) to maximise tokens per second, sum E_b / (T(M) + S(B) + sum D_b(g_b, k_b)),
+with T, S (what a step of B rows that drafts nothing spends outside the forward: sampling, bookkeeping) and D
+from a ``Profile`` of measured times; g = 0 (propose nothing) is always a candidate, so a row for
 which speculation does not pay runs as autoregressive decoding: a default job is never slower than AR
 by the profile's own measure. The breadth matters where a wide forward is dear: a 4-wide tree of depth 1 is
 5 tokens to verify, a chain of depth 1 two. The choice is a pure function of the profile and the rows'
 statistics.
 
-The profile is measured by the engine as it runs (every forward and every drafting is timed) and can be
-measured ahead (``fuzzyspec tune``); ``tuning`` keeps it per target, weights, dtype, device, thread count and
+The profile is measured by the engine as it runs and can be measured ahead (``fuzzyspec tune``). A draft's
+cost D is all that a step which drafts spends beyond its forward and beyond S: the proposal, and the judging,
+masks and bookkeeping a draft brings (the engine times whole steps: pricing the proposal alone left a 1-token
+chain a third cheaper than it was, on a 4-bit target, and the planner drafted where it did not pay); ``tuning`` keeps it per target, weights, dtype, device, thread count and
 compilation. A width never measured is assumed to cost what the nearest measured narrower width costs
 (optimism: it gets tried, and after a few measurements their minimum decides), a draft size below every
 measured one its share of the smallest measured (drafting nothing costs nothing), and acceptances start from
@@ -35,13 +38,15 @@ PRIOR_WEIGHT = 2.0      # in steps: how soon a row's own data outweighs the prio
 MEMORY = 0.95           # a row's counts fade by this per step, so its estimate follows the text it writes
 TRIALS = 3              # measurements of a new size before the planner trusts its cost
 TARGET = ""             # the target's key among the drafters' (whose keys name a drafter and shape)
+OUTSIDE = "+"           # the key of what steps spend outside the forward
 
 
 @dataclass
 class Profile:
     """Measured milliseconds: ``target[w]`` a forward of one row of w tokens, ``batches[r][w]`` one of r rows
-    (2 or more) of w tokens each, ``draft[key][g]`` a drafter's proposal of size g (``key`` names the drafter and
-    its shape: chain, or tree and breadth). Rows are kept apart because r rows of w tokens need not cost what
+    (2 or more) of w tokens each, ``outside[r]`` what a step of r rows that drafts nothing spends outside its
+    forward, ``draft[key][g]`` what drafting size g adds to a step (``key`` names the drafter and its shape:
+    chain, or tree and breadth). Rows are kept apart because r rows of w tokens need not cost what
     one row of r x w does (each row attends to its own cache): with them filed together, a saved profile held
     13.9 ms for one row's 4-token step, which decoding alone measured at 7.6.
 
@@ -53,6 +58,7 @@ class Profile:
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
     batches: dict[int, dict[int, float]] = field(default_factory=dict)
+    outside: dict[int, float] = field(default_factory=dict)  # rows -> ms a step that drafts nothing spends outside its forward
     updates: int = 0  # measurements folded in since the profile was loaded
     trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
 
@@ -67,6 +73,13 @@ class Profile:
         # at the smallest measured size's cost (once the cap was measured dear, every smaller size looked as
         # dear and was never tried).
         return _lookup({0: 0.0} | self._settled(key, self.draft.get(key, {})), size) if size else 0.0
+
+    def outside_ms(self, rows: int = 1) -> float:
+        """S(rows): what a step of ``rows`` rows that drafts nothing spends outside its forward."""
+        return _lookup(self._settled(OUTSIDE, self.outside), rows)
+
+    def observe_outside(self, rows: int, ms: float) -> None:
+        self._observe(OUTSIDE, self.outside, rows, ms)
 
     def observe_target(self, width: int, ms: float, rows: int = 1) -> None:
         if rows == 1:
@@ -99,7 +112,8 @@ class Profile:
 
         return {"target": settled(TARGET, self.target),
                 "draft": {key: settled(key, sizes) for key, sizes in self.draft.items()},
-                "batches": {str(rows): settled(_batch_key(rows), sizes) for rows, sizes in sorted(self.batches.items())}}
+                "batches": {str(rows): settled(_batch_key(rows), sizes) for rows, sizes in sorted(self.batches.items())},
+                "outside": settled(OUTSIDE, self.outside)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
@@ -107,7 +121,8 @@ class Profile:
             return {int(k): float(v) for k, v in measured.items()}
 
         return cls(sizes(data.get("target", {})), {key: sizes(value) for key, value in data.get("draft", {}).items()},
-                   {int(rows): sizes(value) for rows, value in data.get("batches", {}).items()})
+                   {int(rows): sizes(value) for rows, value in data.get("batches", {}).items()},
+                   sizes(data.get("outside", {})))
 
 
 def _batch_key(rows: int) -> str:
@@ -157,21 +172,27 @@ class Acceptance:
         return ((passed[i] if i < len(passed) else 0.0) + prior * PRIOR_WEIGHT) / \
             ((reached[i] if i < len(reached) else 0.0) + PRIOR_WEIGHT)
 
-    def expected(self, size: int, breadth: int = 1) -> float:
-        """E(size, breadth): tokens a step yields with drafts ``size`` deep."""
-        total, chance = 1.0, 1.0
-        for depth in range(1, size + 1):
+    def expected(self, cap: int, breadth: int = 1) -> list[float]:
+        """E(g, breadth) for g = 0 .. cap: tokens a step yields with drafts g deep."""
+        totals, chance = [1.0], 1.0
+        for depth in range(1, cap + 1):
             chance *= self.rate(depth, breadth)
-            total += chance
-        return total
+            totals.append(totals[-1] + chance)
+        return totals
+
+    def fade(self) -> None:
+        """One step older: every count fades by ``MEMORY``. A step that drafted nothing fades them too, so a
+        row that stopped drafting after a poor stretch drifts back to the prior and tries again (with counts
+        that only faded when it drafted, one bad stretch stopped a row's drafting for the rest of its answer)."""
+        for counts in (*self.reached.values(), *self.passed.values()):
+            counts[:] = [value * MEMORY for value in counts]
 
     def record(self, proposed: int, ranks: list[int], breadth: int = 1) -> None:
         """A step that drafted ``proposed`` deep, ``breadth`` children per node, and kept a path whose nodes
         were their parents' ``ranks``-th most likely children (1: the likeliest; a chain's are all 1). For each
         breadth k up to ``breadth``, the path a k-wide draft keeps is the prefix of ranks <= k: depths 1 .. its
         length + 1 were reached (if drafted), 1 .. its length passed."""
-        for counts in (*self.reached.values(), *self.passed.values()):
-            counts[:] = [value * MEMORY for value in counts]
+        self.fade()
         for k in range(1, breadth + 1):
             kept = next((i for i, rank in enumerate(ranks) if rank > k), len(ranks))
             reached, passed = self.reached.setdefault(k, []), self.passed.setdefault(k, [])
@@ -245,23 +266,44 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
     rows; ties go to the smaller draft. ``shape(width, rows)``: the padded shape a step of that many tokens per
     row and rows runs at (every row is verified at the widest row's width); ``others``: rows of the step that
     are not planned here."""
+    rows = len(options) + others
+    # Each shape's tokens, nodes and drafting cost are fixed for this step: worked out once per row, so the rounds
+    # below are arithmetic (the planner runs every step; evaluating each candidate from scratch cost ~0.3 ms).
+    tables = [_candidates(option, acceptance, profile) for option, acceptance in zip(options, acceptances)]
+    outside = profile.outside_ms(rows)
+    forward: dict[int, float] = {}
+
+    def forward_ms(nodes: int) -> float:
+        if nodes not in forward:
+            forward[nodes] = profile.target_ms(*shape(1 + nodes, rows))
+        return forward[nodes]
+
     chosen = [(0, 1)] * len(options)
-
-    def rate(drafts: list[tuple[int, int]]) -> float:
-        tokens = others + sum(acceptance.expected(*draft) for acceptance, draft in zip(acceptances, drafts))
-        width, rows = shape(1 + max(option.nodes(*draft) for option, draft in zip(options, drafts)),
-                            len(options) + others)
-        ms = profile.target_ms(width, rows) + sum(profile.draft_ms(option.key(k), g)
-                                                   for option, (g, k) in zip(options, drafts))
-        return tokens / ms if ms > 0 else math.inf
-
-    for _ in range(rounds):
+    picked = [table[0] for table in tables]  # (shape, tokens, nodes, drafting ms) of each row's choice
+    for _ in range(rounds if len(options) > 1 else 1):  # one row's best does not depend on a previous round
         changed = False
-        for b, option in enumerate(options):
-            best = max(option.shapes(), key=lambda draft: (rate(chosen[:b] + [draft] + chosen[b + 1:]),
-                                                           -option.nodes(*draft), -draft[0]))
-            changed |= best != chosen[b]
-            chosen[b] = best
+        for b, table in enumerate(tables):
+            tokens = others + sum(entry[1] for i, entry in enumerate(picked) if i != b)
+            drafting = outside + sum(entry[3] for i, entry in enumerate(picked) if i != b)
+            widest = max((entry[2] for i, entry in enumerate(picked) if i != b), default=0)
+
+            def rate(entry: tuple) -> float:
+                ms = forward_ms(max(widest, entry[2])) + drafting + entry[3]
+                return (tokens + entry[1]) / ms if ms > 0 else math.inf
+
+            best = max(table, key=lambda entry: (rate(entry), -entry[2], -entry[0][0]))
+            changed |= best[0] != chosen[b]
+            chosen[b], picked[b] = best[0], best
         if not changed:
             break
     return chosen
+
+
+def _candidates(option: Option, acceptance: Acceptance, profile: Profile) -> list[tuple[tuple[int, int], float, int, float]]:
+    """(shape, expected tokens, nodes, drafting ms) of every shape ``option`` may draft, nothing first."""
+    table = [((0, 1), 1.0, 0, 0.0)]
+    for breadth in option.breadths():
+        key, tokens = option.key(breadth), acceptance.expected(option.cap, breadth)
+        table += [((depth, breadth), tokens[depth], option.nodes(depth, breadth), profile.draft_ms(key, depth))
+                  for depth in range(1, option.cap + 1)]
+    return table

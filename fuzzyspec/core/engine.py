@@ -124,6 +124,7 @@ class Engine:
         self.device = self.target.get_input_embeddings().weight.device
         self.shards = self.step_fn.shards  # ranks sharing a tensor-parallel target: they step in lockstep
         self.timer = DeviceTimer(self.device)
+        self._forward_ms: float | None = None  # this step's forward, once timed (not while it compiled)
         self.cache: StaticCache | None = None
         self.slots: list[Row | None] = []
 
@@ -214,8 +215,11 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """One draft-and-verify round for every row; returns the rows that finished (they leave the batch)."""
+        clock = time.perf_counter()
         self._plan()
         drafts: dict[int, Draft | None] = {}
+        proposals: dict[int, tuple[str, int]] = {}  # row -> (its drafting's profile key, size)
+        proposal_ms: dict[int, float] = {}
         for b, row in enumerate(self.slots):
             if row is None:
                 continue
@@ -225,17 +229,20 @@ class Engine:
                 mark = self.timer.start()
                 draft = row.drafter.propose(row.sequence, budget, row.config.sampling, row.generator)
                 if draft is not None:
-                    key, size = draft_key(row.drafter.name, row.breadth), row.size
-                    self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_draft(key, size, ms))
+                    proposals[b] = (draft_key(row.drafter.name, row.breadth), row.size)
+                    self.timer.stop(mark, lambda ms, b=b: proposal_ms.__setitem__(b, ms))
             if row.config.draft_only and not row.drafter.wants_target_features and draft is not None and len(draft):
                 row.stats.record_step(len(draft), len(draft), None)  # the draft decodes alone: nothing to verify
                 row.drafter.accepted(len(draft))
                 self._emit(row, draft.tokens.tolist())
             else:
                 drafts[b] = draft
+        self._forward_ms = None
         if drafts:
             self._verify(drafts)
         self.timer.flush()
+        if self._forward_ms is not None and all(b in drafts for b in proposals):
+            self._price(len(drafts), proposals, proposal_ms, 1000 * (time.perf_counter() - clock) - self._forward_ms)
         finished = [row for row in self.slots if row is not None and row.done]
         if self.shards > 1:  # stop callbacks (stop strings, cancellations) run on rank 0 alone: its rows end everywhere
             ended = set(agree(sorted(row.slot for row in finished)))
@@ -253,6 +260,21 @@ class Engine:
             self.slots.pop()
         return finished
 
+    def _price(self, rows: int, proposals: dict[int, tuple[str, int]], proposal_ms: dict[int, float],
+               outside: float) -> None:
+        """File what a step of ``rows`` rows spent ``outside`` its forward (ms): all of it as the cost of a step that
+        drafts nothing where no row drafted; else what it spent beyond such a step, shared among the drafting rows
+        in proportion to their proposals' times, as the cost of each row's draft. So a draft is priced at all it
+        brings to a step (its proposal, and the judging, masks and bookkeeping around it), as ``cost.plan`` needs."""
+        profile = self.step_fn.profile
+        if not proposals:
+            profile.observe_outside(rows, outside)
+            return
+        extra = max(outside - profile.outside_ms(rows), 0.0)
+        spent = sum(proposal_ms.get(b, 0.0) for b in proposals)
+        for b, (key, size) in proposals.items():
+            profile.observe_draft(key, size, extra * (proposal_ms.get(b, 0.0) / spent if spent > 0 else 1 / len(proposals)))
+
     def _plan(self) -> None:
         """Choose this step's draft depth and breadth for every row under the cost schedule (``cost.plan``):
         from the measured costs of this target and drafter, and each row's running acceptance."""
@@ -267,6 +289,10 @@ class Engine:
             drafts = agree(drafts)
         for (_, row), (size, breadth) in zip(planned, drafts):
             row.size, row.breadth = size, breadth
+
+    def _forward_took(self, width: int, rows: int, ms: float) -> None:
+        self._forward_ms = ms
+        self.step_fn.profile.observe_target(width, ms, rows)
 
     def _verify(self, drafts: dict[int, Draft | None]) -> None:
         """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them.
@@ -301,7 +327,7 @@ class Engine:
                                      write_positions(starts, width), mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
         if not self.step_fn.compiling:  # a compilation's seconds would price this width out for good
-            self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_target(width, ms, rows))
+            self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms))
         pending = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
         for b, draft in drafts.items():
             if b not in pending:
@@ -321,8 +347,11 @@ class Engine:
                 row.drafter.accepted(len(verdict.path))
             row.stats.target_forwards += 1
             row.stats.record_step(verdict.proposed, len(verdict.path), verdict.d)
-            if row.config.gamma_schedule == "cost" and verdict.proposed:
-                row.acceptance.record(verdict.proposed, draft.ranks(verdict.path), row.breadth)
+            if row.config.gamma_schedule == "cost":
+                if verdict.proposed:
+                    row.acceptance.record(verdict.proposed, draft.ranks(verdict.path), row.breadth)
+                else:
+                    row.acceptance.fade()
             if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
                 row.size = row.size + 2 if len(verdict.path) == verdict.proposed else max(1, row.size - 1)
             new = verdict.emitted

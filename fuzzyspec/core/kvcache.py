@@ -1,4 +1,4 @@
-"""KV caches: the target's static cache, whose write positions the engine owns, and the crop drafters use.
+"""KV caches: the target's static cache, whose write positions the engine owns, and the draft heads' cache.
 
 ``StaticCache`` preallocates every layer's keys and values for ``slots`` rows of up to ``capacity``
 positions. Row (slot) b holds its tokens at positions 0 .. lengths[b] - 1, with no holes. A step feeds
@@ -112,9 +112,48 @@ def chain_tree(rows: int, width: int, device: torch.device | str) -> Tensor:
     return torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, width, width)
 
 
-def crop_to(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of a drafter's ``DynamicCache``: a slice of each layer's
-    tensors, so it costs nothing in proportion to the prefix."""
+class DraftCache:
+    """A draft head's keys and values for one sequence: per layer, [1, kv_heads, room, head_dim] with room grown
+    by doubling, and how many positions are filled. It speaks the part of transformers' cache protocol a
+    decoder layer uses (``update``, ``get_seq_length``), so a head's own layer or transformers' writes into it.
+
+    transformers' ``DynamicCache`` concatenates each layer's whole cache at every call (a copy of it all per
+    drafted token) and crops by slicing; here a write lands in place and dropping the positions a draft tree
+    computed from its own predictions only moves the length back (``crop_to``)."""
+
+    def __init__(self) -> None:
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.lengths: list[int] = []
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.lengths[layer] if layer < len(self.lengths) else 0
+
+    def update(self, keys: Tensor, values: Tensor, layer: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Append ``keys``, ``values`` ([1, kv_heads, t, head_dim]) to ``layer``; return its filled keys and values."""
+        if layer == len(self.lengths):
+            self.keys.append(keys.new_empty(*keys.shape[:2], max(64, keys.shape[2]), keys.shape[3]))
+            self.values.append(values.new_empty(self.keys[-1].shape))
+            self.lengths.append(0)
+        start = self.lengths[layer]
+        end = start + keys.shape[2]
+        if end > self.keys[layer].shape[2]:
+            for tensors in (self.keys, self.values):
+                grown = tensors[layer].new_empty(*keys.shape[:2], max(end, 2 * start), keys.shape[3])
+                grown[:, :, :start] = tensors[layer][:, :, :start]
+                tensors[layer] = grown
+        self.keys[layer][:, :, start:end] = keys
+        self.values[layer][:, :, start:end] = values
+        self.lengths[layer] = end
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+def crop_to(cache: DynamicCache | DraftCache, length: int) -> None:
+    """Keep the first ``length`` positions of a drafter's cache (a ``DraftCache``: the lengths move back; a
+    ``DynamicCache``: a slice of each layer's tensors). Either way it costs nothing in proportion to the prefix."""
+    if isinstance(cache, DraftCache):
+        cache.lengths = [min(filled, length) for filled in cache.lengths]
+        return
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)  # transformers 5 takes the number of positions to drop, negated

@@ -8,11 +8,11 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..core.draft import BaseDrafter, Budget, Draft
 from ..core.host import upload
-from ..core.kvcache import crop_to
+from ..core.kvcache import DraftCache, crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import reduced_lm_head
 from .chain import common_prefix, draft_chain
@@ -72,7 +72,7 @@ class EagleDrafter(BaseDrafter):
         self._head_logits = logits or head_logits(head, target)
 
     def reset(self) -> None:
-        self.cache = DynamicCache()
+        self.cache = DraftCache()
         self.features: Tensor | None = None  # true target features of positions 0 .. known - 1, then room
         self.known = 0
         self.tokens: Tensor | None = None  # the sequence those features belong to, until the engine vouches for it

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from .draftlm import cut_layers
+from ..core.kvcache import DraftCache
 from ..core.vocab import DraftVocab, reduced_lm_head
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -169,7 +170,7 @@ class Eagle3Head(nn.Module):
         """Fused target features ([.., len(feature_layers) * H]) to the head's width; own outputs pass."""
         return self.fc(features) if features.shape[-1] != self.config.hidden_size else features
 
-    def forward(self, embeds: Tensor, features: Tensor, cache: DynamicCache | None = None,
+    def forward(self, embeds: Tensor, features: Tensor, cache: DraftCache | None = None,
                 mask: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """embeds [B, T, H]; features [B, T, 3H] (the target's) or [B, T, H] (the head's own outputs).
         Returns the layer's outputs [B, T, H] (``logits`` turns them into draft logits). By default the

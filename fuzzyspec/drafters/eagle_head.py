@@ -21,22 +21,18 @@ The drafter that drives this head (and EAGLE-3's) is ``eagle.EagleDrafter``.
 """
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, DynamicCache, PretrainedConfig, PreTrainedModel
-from transformers.masking_utils import create_causal_mask
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from ..core.kvcache import cache_keyword, model_mask
+from ..core.kvcache import DraftCache, cache_keyword, model_mask
 from ..core.vocab import DraftVocab
 from .draftlm import cut_layers
 
-_MASK_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
-_MASK_CACHE = cache_keyword(create_causal_mask)
 
 
 def head_config(target_config: PretrainedConfig, bias: bool = True) -> PretrainedConfig:
@@ -70,25 +66,21 @@ class EagleHead(nn.Module):
         head = cls(config or head_config(target.config), type(decoder.layers[0]), type(decoder.rotary_emb))
         return head.to(target.device)
 
-    def forward(self, embeds: Tensor, features: Tensor, cache: DynamicCache | None = None,
+    def forward(self, embeds: Tensor, features: Tensor, cache: DraftCache | None = None,
                 mask: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """embeds, features: [B, T, H] -> predicted features [B, T, H]. By default the T inputs
         sit at positions past .. past + T - 1 after the cache, causally; a draft tree passes its own
         4D ``mask`` (True: may attend) and ``positions`` ([B, T])."""
         hidden = self.fc(torch.cat([embeds, features], -1))
         past = cache.get_seq_length() if cache is not None else 0
+        width = hidden.shape[1]
         if positions is None:
-            positions = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        extra = {"cache_position": torch.arange(past, past + hidden.shape[1], device=hidden.device)} \
-            if _MASK_TAKES_CACHE_POSITION else {}
-        if mask is None:
-            mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                      position_ids=positions, **{_MASK_CACHE: cache}, **extra)
-        else:
-            mask = model_mask(self, mask)
-        return self.layers[0](hidden, attention_mask=mask, position_ids=positions, **{self.cache_keyword: cache},
-                              use_cache=cache is not None, position_embeddings=self.rotary_emb(hidden, positions),
-                              **extra)
+            positions = torch.arange(past, past + width, device=hidden.device).unsqueeze(0)
+        if mask is None:  # causal after the whole cache
+            mask = torch.ones(width, past + width, dtype=torch.bool, device=hidden.device).tril(past)[None, None]
+        return self.layers[0](hidden, attention_mask=model_mask(self, mask), position_ids=positions,
+                              **{self.cache_keyword: cache}, use_cache=cache is not None,
+                              position_embeddings=self.rotary_emb(hidden, positions))
 
     def save(self, folder: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` in the EAGLE release layout."""

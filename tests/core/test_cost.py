@@ -24,9 +24,9 @@ def accepting(rate: float, steps: int = 200) -> Acceptance:
 def test_expected_tokens_follow_the_acceptance_per_depth():
     acceptance = accepting(0.5)
     assert math.isclose(acceptance.rate(1), (100 + 0.6 * 2) / (200 + 2))
-    assert math.isclose(acceptance.expected(2), 1 + acceptance.rate(1) + acceptance.rate(1) * acceptance.rate(2))
+    assert math.isclose(acceptance.expected(2)[2], 1 + acceptance.rate(1) + acceptance.rate(1) * acceptance.rate(2))
     fresh = Acceptance()
-    assert fresh.expected(1) == 1.6 and fresh.rate(3) == 0.6  # the optimistic prior
+    assert fresh.expected(1)[1] == 1.6 and fresh.rate(3) == 0.6  # the optimistic prior
     fresh.record(proposed=3, ranks=[1])  # depth 1 passed, depth 2 was reached and failed, depth 3 unseen
     assert fresh.reached == {1: [1, 1, 0]} and fresh.passed == {1: [1, 0, 0]}
 
@@ -41,7 +41,7 @@ def test_where_verifying_is_nearly_free_the_arithmetic_picks_the_size():
     profile = Profile(target={1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 12.0, 6: 12.5}, draft={"d:chain": {
         g: 2.0 * g for g in range(1, 6)}})
     acceptance = accepting(0.7)
-    rates = {g: acceptance.expected(g) / (profile.target_ms(1 + g) + profile.draft_ms("d:chain", g))
+    rates = {g: acceptance.expected(g)[g] / (profile.target_ms(1 + g) + profile.draft_ms("d:chain", g))
              for g in range(6)}
     assert plan([Option("d", 5)], [acceptance], profile) == [(max(rates, key=rates.get), 1)]
     assert plan([Option("d", 5)], [acceptance], profile) == plan([Option("d", 5)], [acceptance], profile)
@@ -204,3 +204,43 @@ def test_the_graphs_prepared_ahead_are_the_ones_decoding_runs():
     decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
     decode(step, None, torch.tensor([[1, 2, 3]]), DecodeConfig(method="ar", max_new_tokens=4), V)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_row_that_stopped_drafting_tries_again():
+    """A poor stretch stops a row's drafting; steps that draft nothing fade its counts too, so its estimate drifts
+    back to the prior and it drafts again (counts that faded only when it drafted kept it at AR for good)."""
+    profile = Profile(target={1: 10.0, 2: 11.0}, draft={"d:chain": {1: 2.0}}, outside={1: 1.0})
+    acceptance = Acceptance()
+    for _ in range(10):
+        acceptance.record(proposed=1, ranks=[])  # ten misses
+    assert plan([Option("d", 1)], [acceptance], profile) == [(0, 1)]
+    waited = 0
+    while plan([Option("d", 1)], [acceptance], profile) == [(0, 1)] and waited < 1000:
+        acceptance.fade()
+        waited += 1
+    assert 5 < waited < 100
+
+
+def test_a_draft_is_priced_at_all_it_adds_to_a_step(monkeypatch):
+    """What a step that drafts spends beyond its forward and beyond a step that drafts nothing is the draft's cost:
+    here a slow judge of drafts, which the proposal's own time would not show."""
+    import time
+
+    from fuzzyspec.core import engine
+
+    step = TargetStep(tiny_llama(seed=5))
+    prompt = torch.tensor([[1, 2, 3]])
+    decode(step, None, prompt, DecodeConfig(method="ar", max_new_tokens=6), V)
+    assert 0 < step.profile.outside_ms(1) < 30  # a step that drafts nothing: sampling and bookkeeping
+    judge = engine.judge
+
+    def slow_judge(config, draft, *args):
+        if draft is not None and len(draft):
+            time.sleep(0.03)
+        return judge(config, draft, *args)
+
+    monkeypatch.setattr(engine, "judge", slow_judge)
+    config = DecodeConfig(method="sd", gamma=2, max_new_tokens=8, gamma_schedule="constant")
+    decode(step, ModelDrafter(tiny_llama(seed=6), V), prompt, config, V)
+    assert min(step.profile.draft["ModelDrafter:chain"].values()) > 25
+    assert Profile.from_dict(json.loads(json.dumps(step.profile.to_dict()))).outside == step.profile.outside

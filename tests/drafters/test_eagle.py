@@ -1,11 +1,11 @@
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import DynamicCache
 
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
+from fuzzyspec.core.kvcache import DraftCache, crop_to
 from fuzzyspec.drafters.eagle import EagleDrafter
 from fuzzyspec.drafters.eagle_head import EagleHead, load_head
 from fuzzyspec.core.sampling import Sampling
@@ -38,12 +38,18 @@ def logits_from_scratch(model, head, sequence):
 
 
 def test_cached_forward_equals_full_forward(model, head):
-    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5]])
+    """The head fed in pieces over its DraftCache, past the cache's first room (it grows), and cropped back and fed
+    again (as drafting drops the positions a tree computed from predictions), gives what one pass over it all does."""
+    tokens = torch.randint(0, V, (1, 91), generator=torch.Generator().manual_seed(0))
     f, e = features_of(model, tokens), model.get_input_embeddings()(tokens)
     with torch.no_grad():
         full = head(e[:, 1:], f[:, :-1])
-        cache = DynamicCache()
-        parts = [head(e[:, 1:4], f[:, :3], cache), head(e[:, 4:5], f[:, 3:4], cache), head(e[:, 5:], f[:, 4:-1], cache)]
+        cache = DraftCache()
+        parts = [head(e[:, 1:51], f[:, :50], cache), head(e[:, 51:52], f[:, 50:51], cache)]
+        head(e[:, 52:81], torch.randn(1, 29, f.shape[-1]), cache)  # predictions, later dropped
+        assert cache.get_seq_length() == 80 and cache.keys[0].shape[2] >= 80
+        crop_to(cache, 51)
+        parts += [head(e[:, 52:81], f[:, 51:80], cache), head(e[:, 81:], f[:, 80:-1], cache)]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
 
 

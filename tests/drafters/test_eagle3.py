@@ -3,11 +3,11 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from conftest import noisy_copy, tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
+from fuzzyspec.core.kvcache import DraftCache
 from fuzzyspec.drafters.draftlm import make_draft_lm
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.eagle import EagleDrafter, load_any_head
@@ -50,7 +50,7 @@ def test_unrolled_training_matches_what_drafting_computes(target_model):
         embeds = target_model.get_input_embeddings()(tokens[:, 1:])
         outputs = head.unroll(embeds, features[:, :-1], steps=3)
         for j in (0, 3, 5):
-            cache = DynamicCache()
+            cache = DraftCache()
             out = head(embeds[:, : j + 1], features[:, : j + 1], cache)[:, -1:]
             torch.testing.assert_close(out[0, 0], outputs[0][0, j], rtol=1e-4, atol=1e-4)
             for step in (1, 2):
