@@ -62,9 +62,12 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
           ) -> Pending:
     """Apply the row's rule to its draft, given the target's logits [n + 1, V] at the root and every node."""
     sampling = config.sampling
-    p = sampling.probs(logits)
     rule = "sd" if config.method == "ar" else config.method
     fuzzy = rule in FUZZY
+    # Greedy exact decoding reads only argmaxes: the logits' own, as a row with no drafts takes its next token
+    # (a softmax over the vocabulary per row cost time, and where two logits round to one probability its argmax
+    # could pick another token than AR's).
+    p = logits.float() if sampling.greedy and not fuzzy else sampling.probs(logits)
     n = len(draft) if draft is not None else 0
     if n == 0:
         token = p[:1].argmax(-1) if sampling.greedy else sample(p[0], generator).view(1)
