@@ -130,7 +130,8 @@ def curve(steps: dict[tuple[str, str], TargetStep], widths: tuple[int, ...]) -> 
 
 
 def drafting(pairs: dict[str, ModelPair]) -> dict:
-    """Each drafter's proposal ms by size, per form."""
+    """What drafting each size adds to a step (ms, as decoding prices it: ``tuning.measure_drafter``), per drafter
+    and form."""
     result = {}
     for form, pair in pairs.items():
         for name in ("eagle", "draft"):
@@ -297,7 +298,7 @@ def main() -> None:
             print(f"  {label:<16} {cells}{first}")
     if not args.no_drafting:
         report["drafting"] = drafting({form: pairs[form] for form in forms[:1]})
-        print("\ndrafting: ms of one proposal by size (chain tokens, tree depth)")
+        print("\ndrafting: ms each size adds to a step (chain tokens, tree depth; proposal, judging and bookkeeping)")
         for label, sizes in report["drafting"].items():
             print(f"  {label:<22} " + "  ".join(f"{size}:{ms:.1f}" for size, ms in sizes.items()))
     before = None

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body accepted; larger ones get HTTP 413 (default: 1000000)")
 
     tune = commands.add_parser("tune", help="measure what this machine charges for the target's steps and the "
-                               "drafter's proposals, and print the draft sizes that follow")
+                               "cost of each draft size to a step, and print the draft sizes that follow")
     _add_models(tune)
     tune.add_argument("--widths", type=_int_list, default=None,
                       help="target widths to measure (default: 1,2,3,4,5,6,8,12,17,24,32; compiled: 1,2,4,6,8,17)")
