@@ -81,7 +81,9 @@ def generate(model: PreTrainedModel, input_ids: Tensor, logits_processor: Logits
     fsd_<option>: every decoding option of ``options.OPTIONS`` but sampling and length (those come
         from the generation config): fsd_method, fsd_threshold, fsd_divergence, fsd_gamma, fsd_tree, ...
     fsd_seed: seeds the sampling; when None a seed is drawn from torch's global
-        generator, so ``torch.manual_seed`` makes runs reproducible as with HF.
+        generator, so ``torch.manual_seed`` makes runs reproducible as with HF, where the draft sizes do not
+        follow timings: with ``fsd_gamma_schedule="constant"`` (under the cost schedule they follow what each
+        step was measured to cost, so a sampled run can differ from an earlier one).
     fsd_stats: a list that receives the run's ``Stats``.
     fsd_streamer: a transformers streamer (``TextStreamer``, ``TextIteratorStreamer``) that receives the
         prompt, then the tokens as they are accepted, then ``end()``. transformers does not hand its own

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny randomly initialised Llama models built from configs."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 # Tiny models gain nothing from threads, and a busy 2-core machine makes threads wait on each other.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _profiles_kept_apart(monkeypatch, tmp_path_factory):
+    """Decoding files what its steps cost in the cache's ``profiles.json``; the tests' tiny models (each in a new
+    pytest folder, so each a new key) would pile up in the user's own. A test that names a cache keeps its
+    profiles there; the others share one file of this test session's."""
+    from fuzzyspec import files, tuning
+
+    session = tmp_path_factory.getbasetemp() / "profiles.json"
+    monkeypatch.setattr(tuning, "profile_path", lambda: files.cache_dir() / "profiles.json"
+                        if "FUZZYSPEC_CACHE" in os.environ else session)
 
 
 def tiny_llama(vocab_size: int = 32, layers: int = 2, seed: int = 0, hidden: int = 32) -> LlamaForCausalLM:

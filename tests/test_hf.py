@@ -63,8 +63,10 @@ def test_threshold_inf_is_the_drafts_greedy_output(target, draft):
 
 @pytest.mark.parametrize("method", ["fsd", "sd", "fsd-hybrid"])
 def test_sampling_is_reproducible(target, draft, method):
+    """A seed reproduces a sampled text where the draft sizes do not follow timings (README, "Guarantees and
+    limits"): under the cost schedule they follow what each step was measured to cost, so a run can differ."""
     options = dict(draft_model=draft, fsd_method=method, fsd_threshold=0.3, max_new_tokens=30,
-                   do_sample=True, temperature=1.5, top_k=0)
+                   do_sample=True, temperature=1.5, top_k=0, fsd_gamma_schedule="constant")
     runs = [fsd(target, PROMPTS[0], fsd_seed=seed, **options).tolist() for seed in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]

@@ -18,11 +18,12 @@ statistics.
 The profile is measured by the engine as it runs and can be measured ahead (``fuzzyspec tune``). A draft's
 cost D is all that a step which drafts spends beyond its forward and beyond S: the proposal, and the judging,
 masks and bookkeeping a draft brings (the engine times whole steps: pricing the proposal alone left a 1-token
-chain a third cheaper than it was, on a 4-bit target, and the planner drafted where it did not pay); ``tuning`` keeps it per target, weights, dtype, device, thread count and
-compilation. A width never measured is assumed to cost what the nearest measured narrower width costs
-(optimism: it gets tried, and after a few measurements their minimum decides), a draft size below every
-measured one its share of the smallest measured (drafting nothing costs nothing), and acceptances start from
-an optimistic prior that a row's own steps soon outweigh.
+chain a third cheaper than it was, on a 4-bit target, and the planner drafted where it did not pay).
+``tuning`` keeps the profile per target, weights, dtype, device, thread count and compilation. A width never
+measured is assumed to cost what the nearest measured narrower width costs (optimism: it gets tried, and after
+a few measurements their minimum decides), a draft size below every measured one its share of the smallest
+measured (drafting nothing costs nothing), and acceptances start from an optimistic prior that a row's own
+steps soon outweigh; a row's counts fade every step, so one that stopped drafting comes back to the prior.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class Profile:
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
     batches: dict[int, dict[int, float]] = field(default_factory=dict)
-    outside: dict[int, float] = field(default_factory=dict)  # rows -> ms a step that drafts nothing spends outside its forward
+    outside: dict[int, float] = field(default_factory=dict)  # rows -> ms; see above
     updates: int = 0  # measurements folded in since the profile was loaded
     trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
 
@@ -112,7 +113,8 @@ class Profile:
 
         return {"target": settled(TARGET, self.target),
                 "draft": {key: settled(key, sizes) for key, sizes in self.draft.items()},
-                "batches": {str(rows): settled(_batch_key(rows), sizes) for rows, sizes in sorted(self.batches.items())},
+                "batches": {str(rows): settled(_batch_key(rows), sizes)
+                            for rows, sizes in sorted(self.batches.items())},
                 "outside": settled(OUTSIDE, self.outside)}
 
     @classmethod
@@ -299,7 +301,8 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
     return chosen
 
 
-def _candidates(option: Option, acceptance: Acceptance, profile: Profile) -> list[tuple[tuple[int, int], float, int, float]]:
+def _candidates(option: Option, acceptance: Acceptance, profile: Profile
+                ) -> list[tuple[tuple[int, int], float, int, float]]:
     """(shape, expected tokens, nodes, drafting ms) of every shape ``option`` may draft, nothing first."""
     table = [((0, 1), 1.0, 0, 0.0)]
     for breadth in option.breadths():

@@ -263,9 +263,10 @@ class Engine:
     def _price(self, rows: int, proposals: dict[int, tuple[str, int]], proposal_ms: dict[int, float],
                outside: float) -> None:
         """File what a step of ``rows`` rows spent ``outside`` its forward (ms): all of it as the cost of a step that
-        drafts nothing where no row drafted; else what it spent beyond such a step, shared among the drafting rows
-        in proportion to their proposals' times, as the cost of each row's draft. So a draft is priced at all it
-        brings to a step (its proposal, and the judging, masks and bookkeeping around it), as ``cost.plan`` needs."""
+        drafts nothing where no row drafted; else what it spent beyond such a step (all of it, until one such step
+        was measured), shared among the drafting rows in proportion to their proposals' times, as the cost of each
+        row's draft. So a draft is priced at all it brings to a step (its proposal, and the judging, masks and
+        bookkeeping around it), as ``cost.plan`` needs."""
         profile = self.step_fn.profile
         if not proposals:
             profile.observe_outside(rows, outside)
@@ -273,7 +274,8 @@ class Engine:
         extra = max(outside - profile.outside_ms(rows), 0.0)
         spent = sum(proposal_ms.get(b, 0.0) for b in proposals)
         for b, (key, size) in proposals.items():
-            profile.observe_draft(key, size, extra * (proposal_ms.get(b, 0.0) / spent if spent > 0 else 1 / len(proposals)))
+            share = proposal_ms.get(b, 0.0) / spent if spent > 0 else 1 / len(proposals)
+            profile.observe_draft(key, size, extra * share)
 
     def _plan(self) -> None:
         """Choose this step's draft depth and breadth for every row under the cost schedule (``cost.plan``):

@@ -355,10 +355,14 @@ def test_chat_logprobs_have_openais_shape(server):
 
 
 def test_lists_of_prompts_token_ids_and_n_choices(server):
+    # Constant draft sizes: under the cost schedule a row's sizes (so its random draws) follow the measured costs,
+    # and a batch's rows are planned together (README, "Guarantees and limits").
+    constant = {"gamma_schedule": "constant"}
     done = server.client.completions.create(model="tiny", prompt=["w1 w2", "w3 w4 w5"], max_tokens=4, n=2,
-                                            temperature=0.9, seed=5)
+                                            temperature=0.9, seed=5, extra_body=constant)
     assert [c.index for c in done.choices] == [0, 1, 2, 3]
-    alone = server.client.completions.create(model="tiny", prompt="w3 w4 w5", max_tokens=4, temperature=0.9, seed=5)
+    alone = server.client.completions.create(model="tiny", prompt="w3 w4 w5", max_tokens=4, temperature=0.9, seed=5,
+                                             extra_body=constant)
     assert done.choices[2].text == alone.choices[0].text  # the first draw of the second prompt, same seed
     greedy = server.client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0)
     assert len(greedy.choices) == 2 and greedy.usage.prompt_tokens == 5
