@@ -34,7 +34,6 @@ from ..core.vocab import DraftVocab
 from .draftlm import cut_layers
 
 
-
 def head_config(target_config: PretrainedConfig, bias: bool = True) -> PretrainedConfig:
     """The target's config cut to one layer: the config a head for that target is saved with."""
     config = cut_layers(target_config, [0])
