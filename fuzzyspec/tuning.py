@@ -177,7 +177,8 @@ def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how
     """Milliseconds that drafting each size (chain tokens, or tree depth) at ``breadth`` children per node (1:
     chains) adds to a step of the pair's target, priced as decoding prices it (``Engine._price``: all a step
     spends beyond its forward and beyond a step that drafts nothing), over ``repeats`` or more steps of
-    decoding ``prompt`` at that size. Measured apart from the pair's profile, which is left as it was."""
+    decoding ``prompt`` at that size. Measured apart from the pair's profile, which only takes what a step that
+    drafts nothing spends outside its forward where it had no figure for it (the planner adds it to every step)."""
     from .core.engine import decode
 
     kept, pair.step.profile = pair.step.profile, Profile()
@@ -195,6 +196,8 @@ def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how
             measured = pair.step.profile.draft.get(draft_key(pair.draft.name, breadth), {})
             if size in measured:  # (not where every step compiled)
                 result[size] = measured[size]
+        for rows, ms in pair.step.profile.outside.items():
+            kept.outside.setdefault(rows, ms)
         return result
     finally:
         pair.step.profile = kept

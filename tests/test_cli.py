@@ -401,3 +401,4 @@ def test_tune_measures_keeps_and_explains_the_profile(capsys, tiny_dirs, tmp_pat
     assert "avx2" in report["machine"] or "threads" in report["machine"]
     pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], dtype="float32")
     assert pair.profile_key == eager["key"] and tuning.load(pair.profile_key).target.keys() >= {1, 2, 4}
+    assert tuning.load(pair.profile_key).outside_ms(1) > 0  # what a step spends around its forward, for the planner
