@@ -304,10 +304,7 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
 
 def _candidates(option: Option, acceptance: Acceptance, profile: Profile
                 ) -> list[tuple[tuple[int, int], float, int, float]]:
-    """(shape, expected tokens, nodes, drafting ms) of every shape ``option`` may draft, nothing first."""
-    table = [((0, 1), 1.0, 0, 0.0)]
-    for breadth in option.breadths():
-        key, tokens = option.key(breadth), acceptance.expected(option.cap, breadth)
-        table += [((depth, breadth), tokens[depth], option.nodes(depth, breadth), profile.draft_ms(key, depth))
-                  for depth in range(1, option.cap + 1)]
-    return table
+    """(shape, expected tokens, nodes, drafting ms) of every shape ``option`` may draft (``Option.shapes``)."""
+    expected = {breadth: acceptance.expected(option.cap, breadth) for breadth in option.breadths()}
+    return [((depth, breadth), expected[breadth][depth], option.nodes(depth, breadth),
+             profile.draft_ms(option.key(breadth), depth)) for depth, breadth in option.shapes()]
