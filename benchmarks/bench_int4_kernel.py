@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fuzzyspec.core import int4
+from fuzzyspec.core import int4, kernels
 from fuzzyspec.loading import cpu_isa
 
 SHAPES = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
@@ -85,10 +85,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not int4.available():
-        raise SystemExit(f"bench_int4_kernel: {int4.unavailable()}")
+    if not kernels.available():
+        raise SystemExit(f"bench_int4_kernel: {kernels.unavailable()}")
     generator = torch.Generator().manual_seed(0)
-    print(f"bench_int4_kernel: {cpu_isa()} (kernel built for {int4.isa()}), {args.threads} threads, torch {torch.__version__}; "
+    print(f"bench_int4_kernel: {cpu_isa()} (kernel built for {kernels.isa()}), {args.threads} threads, torch {torch.__version__}; "
           f"us a call (median of {args.repeats}), ours against torch's int4 kernel")
     print(f"  {'product':10} {'M':>3} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'ours err':>9} {'torch err':>9}")
     layers = {name: random_int4(*shape, generator) for name, shape in SHAPES.items()}

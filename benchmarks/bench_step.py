@@ -41,7 +41,7 @@ import torch
 
 from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
-from fuzzyspec.core import int4
+from fuzzyspec.core import kernels
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.cost import breadths
 from fuzzyspec.core.step import TargetStep
@@ -281,7 +281,7 @@ def main() -> None:
         parser.error(f"--rows: unknown {', '.join(map(repr, unknown))}; rows are {', '.join(ROWS)}")
     forms = [f for f in args.forms.split(",") if f]
     pairs = {form: load_form(form) for form in forms}
-    machine = tuning.machine() + (f"; int4 kernel for {int4.isa()}" if any(f.startswith("int4") for f in forms) else "")
+    machine = tuning.machine() + (f"; int4 kernel for {kernels.isa()}" if any(f.startswith("int4") for f in forms) else "")
     report = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "dtype": {f: str(p.target.dtype) for f, p in pairs.items()}}
     print(f"fuzzyspec bench_step: {report['machine']}; forms {', '.join(forms)}; {args.prompts} everyday prompts x "

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .core import int4
+from .core import kernels
 from .files import cache_dir, write_whole
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def _cpu_has_bf16() -> bool:
-    flags = int4.cpu_flags()
+    flags = kernels.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -164,8 +164,8 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
             raise LoadError("--weights int4 holds a GGUF target's own 4-bit weights: give a .gguf --target")
         if device != "cpu":
             raise LoadError(f"--weights int4 runs on the CPU's int4 kernel: use --device cpu (got {device})")
-        if not int4.available():
-            raise LoadError(f"--weights int4 is not available: {int4.unavailable()}; use --weights fp32")
+        if not kernels.available():
+            raise LoadError(f"--weights int4 is not available: {kernels.unavailable()}; use --weights fp32")
         if dtype not in ("auto", "float32"):
             raise LoadError(f"--weights int4 keeps float32 activations around its 4-bit products; --dtype {dtype} "
                             "does not apply")
@@ -182,7 +182,7 @@ def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu
     """Whether ``--weights auto`` chooses between int4 and floats for this target (by what ``fuzzyspec tune``
     measured): a llama GGUF with Q4_0/Q4_1 weights, on a CPU whose int4 kernel runs, with no --dtype given."""
     # the kernel last: asking builds it on a machine's first use
-    return _is_gguf(name) and device == "cpu" and dtype == "auto" and _has_int4_linears(name) and int4.available()
+    return _is_gguf(name) and device == "cpu" and dtype == "auto" and _has_int4_linears(name) and kernels.available()
 
 
 def _is_gguf(name: str | None) -> bool:
@@ -314,7 +314,7 @@ def cpu_isa() -> str:
     step is."""
     import platform
 
-    return ",".join(flag for flag in ISA if flag in int4.cpu_flags()) or platform.machine()
+    return ",".join(flag for flag in ISA if flag in kernels.cpu_flags()) or platform.machine()
 
 
 def shipped(kind: str) -> Path:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .core import int4
+from .core import kernels
 from .core.cost import Acceptance, Option, Profile, draft_key, plan, widened
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
@@ -44,7 +44,7 @@ def profile_key(target: str | None, weights: str, dtype: str, device: str, compi
     decides the weights form (``int4`` or the torch dtype), so it is known before anything loads. A target
     sharded over ``shards`` tensor-parallel ranks has its own profile (its steps pay for collectives)."""
     form = weight_form(target, weights, dtype, device)
-    form = f"int4 ({int4.isa()})" if form == "int4" else str(resolve_dtype(form, device))
+    form = f"int4 ({kernels.isa()})" if form == "int4" else str(resolve_dtype(form, device))
     sharded = [f"tp={shards}"] if shards > 1 else []
     return "|".join([str(target or EMBEDDED), form, device, *_here(), *sharded, "compiled" if compiled else "eager"])
 
@@ -65,7 +65,8 @@ def _here() -> tuple[str, ...]:
 def _step_code() -> str:
     """A digest of the sources that decide what a target step costs, and how its costs are estimated."""
     core = Path(__file__).parent / "core"
-    sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp", "cost.py", "engine.py")]
+    sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp", "attention.py",
+                                        "attention_kernel.cpp", "cost.py", "engine.py")]
     return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:8]
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fuzzyspec import gguf
-from fuzzyspec.core import int4
+from fuzzyspec.core import int4, kernels
 
-needs_kernel = pytest.mark.skipif(not int4.available(), reason=f"{int4.unavailable()}")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable()}")
 
 
 def blocks(kind: str, rows: int, groups: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

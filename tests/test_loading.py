@@ -57,10 +57,10 @@ def test_old_module_paths_still_import():
 def test_the_weights_form_is_decided_before_loading(tmp_path):
     """auto: a GGUF target on the CPU at its own 4-bit bytes unless --dtype names a float type; the float forms
     are dtypes; int4 where it cannot apply is one clear error."""
-    from fuzzyspec.core import int4
+    from fuzzyspec.core import kernels
     from fuzzyspec.loading import weight_form
 
-    if int4.available():
+    if kernels.available():
         assert weight_form(None) == "int4" and weight_form(None, "int4", "float32") == "int4"
     assert weight_form(None, dtype="float32") == "float32" and weight_form("some/folder") == "auto"
     assert weight_form(None, "fp32") == "float32" and weight_form("some/folder", "bf16") == "bfloat16"
@@ -72,14 +72,14 @@ def test_the_weights_form_is_decided_before_loading(tmp_path):
             weight_form(name, weights, dtype, device)
     unreadable = tmp_path / "broken.gguf"
     unreadable.write_bytes(b"GGUF\x03")  # loading it, not choosing its form, says what is wrong
-    assert weight_form(str(unreadable)) == ("int4" if int4.available() else "auto")
+    assert weight_form(str(unreadable)) == ("int4" if kernels.available() else "auto")
 
 
 def test_where_the_4bit_kernel_cannot_run_auto_holds_floats_and_int4_says_why(monkeypatch):
-    from fuzzyspec.core import int4
+    from fuzzyspec.core import kernels
     from fuzzyspec.loading import weight_form
 
-    monkeypatch.setattr(int4, "unavailable", lambda: "the 4-bit kernel could not be built here (no compiler)")
+    monkeypatch.setattr(kernels, "unavailable", lambda: "the 4-bit kernel could not be built here (no compiler)")
     assert weight_form(None) == "auto"  # floats, by --dtype auto
     with pytest.raises(LoadError, match=r"^--weights int4 is not available: the 4-bit kernel could not be built here "
                                         r"\(no compiler\); use --weights fp32$"):
@@ -90,10 +90,10 @@ def test_auto_weights_follow_what_tune_measured_faster(tmp_path, monkeypatch):
     """Where `fuzzyspec tune` measured the dequantized float step faster than the int4 one on this machine,
     --weights auto holds floats; with no measurement, or int4 measured faster, it holds int4."""
     from fuzzyspec import tuning
-    from fuzzyspec.core import int4
+    from fuzzyspec.core import kernels
     from fuzzyspec.loading import weight_form
 
-    if not int4.available():
+    if not kernels.available():
         pytest.skip("this torch build has no CPU int4 kernel")
     monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
     assert weight_form(None) == "int4"
@@ -110,10 +110,10 @@ def test_tune_compares_weights_again_whichever_form_auto_holds(tmp_path, monkeyp
     import argparse
 
     from fuzzyspec import cli, loading, tuning
-    from fuzzyspec.core import int4
+    from fuzzyspec.core import kernels
     from fuzzyspec.loading import auto_may_hold_int4, weight_form
 
-    if not int4.available():
+    if not kernels.available():
         pytest.skip("this torch build has no CPU int4 kernel")
     monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(loading, "_cpu_has_bf16", lambda: False)  # the float form is float32 on any CPU here

@@ -6,99 +6,20 @@ float16 scale and minimum per block, W[n, k] = q[n, k] * scale[n, k // 32] + min
 file's; only their order changes: the kernel reads rows in groups of 16, each block's codes of the 16 rows
 interleaved four at a time (``pack_four``, ``pack_eight``; the layout is described in ``int4_kernel.cpp``).
 
-The products run in ``int4_kernel.cpp``, built on first use on a machine (``available``; kept under the
-fuzzyspec cache) for the widest instructions it has (``isa``). As llama.cpp does, it rounds each token's
+The products run in ``int4_kernel.cpp``, one of our CPU kernels (``core.kernels``: built on first use on a
+machine for the widest instructions it has, kept under the fuzzyspec cache). As llama.cpp does, it rounds each token's
 activations to 8 bits per block of 32 and takes integer dot products with the codes; a token's result does not
 depend on the other tokens of its batch. It needs an x86 CPU with AVX2 and a C++ compiler; elsewhere the 4-bit
 forms are unavailable and floats serve.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import platform
-import sys
-from pathlib import Path
-
 import torch
 from torch import Tensor, nn
 
-from ..files import cache_dir
+from .kernels import ROWS
 
 GROUP = 32  # inputs per block (llama.cpp's)
-ROWS = 16  # weight rows per packed group (the kernel's)
-SOURCE = Path(__file__).with_name("int4_kernel.cpp")
-# -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
-# -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
-# Wider instructions where the CPU has them (the kernel's #if blocks): VNNI's one-instruction byte multiply-adds,
-# in 256 bits (AVX-VNNI: 8 rows a register) or 512 (AVX-512: a whole group of 16 rows)
-ISA_FLAGS = {
-    "avx512-vnni": {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-                    "avx512_vnni": "-mavx512vnni"},
-    "avx-vnni": {"avx_vnni": "-mavxvnni"},
-    "avx2": {},
-}
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
-                          ()))
-
-
-@functools.cache
-def isa() -> str:
-    """The instructions the kernel is built for here: the first of ``ISA_FLAGS`` whose flags the CPU has all of.
-    FUZZYSPEC_INT4_ISA (avx-vnni or avx2) holds a wider machine to a narrower build, to compare them."""
-    names = list(ISA_FLAGS)
-    asked = os.environ.get("FUZZYSPEC_INT4_ISA", "").lower()
-    allowed = names[names.index(asked):] if asked in names else names
-    return next(name for name in allowed if set(ISA_FLAGS[name]) <= cpu_flags())
-
-
-def build_flags() -> list[str]:
-    return FLAGS + list(ISA_FLAGS[isa()].values())
-
-
-@functools.cache
-def unavailable() -> str | None:
-    """Why the 4-bit kernel cannot run here, or None where it runs (building it on first use on a machine)."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        return f"the 4-bit kernel needs an x86 CPU with AVX2 (this is {platform.machine()})"
-    from torch.utils import cpp_extension
-
-    # The build is this source, with these flags, for this torch: a change to any builds anew, beside the old one.
-    flags = build_flags()
-    built_from = SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()
-    digest = hashlib.sha256(built_from).hexdigest()[:12]
-    name = f"fuzzyspec_int4_{digest}"
-    folder = cache_dir() / "kernels" / name
-    if not (folder / f"{name}.so").is_file():
-        print(f"fuzzyspec: first use on this machine: building the 4-bit kernel (about 15 s; kept in {folder}) ...",
-              file=sys.stderr, flush=True)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name, [str(SOURCE)], build_directory=str(folder), is_python_module=False,
-                           extra_cflags=flags)
-    except Exception as error:  # no compiler, no ninja, an unwritable cache, a failed build: each says so first
-        lines = str(error).strip().splitlines()
-        return f"the 4-bit kernel could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"
-    for op in ("mm_q4", "mm_q8"):  # torch.compile traces the ops by what they return: x [..., K] -> [..., N]
-        torch.library.register_fake(f"fuzzyspec_int4::{op}")(
-            lambda x, packed: x.new_empty((*x.shape[:-1], packed.shape[0] * ROWS)))
-    return None
-
-
-def available() -> bool:
-    """Whether the 4-bit kernel runs on this machine (see ``unavailable`` for why not)."""
-    return unavailable() is None
 
 
 def nibble_codes(nibbles: Tensor) -> Tensor:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import attend, runs as attention_runs
 from .cost import Profile
 from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
@@ -55,6 +56,10 @@ class LlamaForward(nn.Module):
         self.qkv = [getattr(layer.self_attn, "qkv_proj", None) for layer in self.decoder.layers]
         self.gate_up = [getattr(layer.mlp, "gate_up_proj", None) for layer in self.decoder.layers]
         self.qkv_widths = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        # float32 on a CPU: our attention, which gives a query the same numbers in a pass of any width
+        # (``core.attention``), so a verification scores each token as a one-token step would
+        weight = model.get_input_embeddings().weight
+        self.invariant = attention_runs(weight.device, weight.dtype)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -107,10 +112,13 @@ class LlamaForward(nn.Module):
                 keys, values = keys.index_select(0, slots), values.index_select(0, slots)
             elif keys.shape[0] != rows:  # the step runs over the first rows of a larger cache
                 keys, values = keys[:rows], values[:rows]
-            # enable_gqa: the kv heads are shared by SDPA itself, never repeated (a copy of the layer's cache)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=self.heads != self.kv_heads)
-            h = h + attention.o_proj(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
+            if self.invariant:
+                out = attend(q, keys, values, mask, self.scale)
+            else:  # enable_gqa: the kv heads are shared by SDPA itself, never repeated (a copy of the layer's cache)
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                     scale=self.scale, enable_gqa=self.heads != self.kv_heads
+                                                     ).transpose(1, 2)
+            h = h + attention.o_proj(out.reshape(rows, width, self.heads * self.head_dim))
             mlp = layer.mlp
             x = self._norm(layer.post_attention_layernorm, h)
             if self.gate_up[i] is not None:

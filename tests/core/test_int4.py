@@ -3,14 +3,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from fuzzyspec.core import int4
+from fuzzyspec.core import int4, kernels
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.int4 import GROUP, Int4Linear, Int8Linear
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
 
-pytestmark = pytest.mark.skipif(not int4.available(), reason=f"{int4.unavailable()}")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable()}")
 
 
 def quantize(weight: torch.Tensor) -> Int4Linear:
@@ -121,6 +121,44 @@ def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fuse
 
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_verification_scores_each_node_exactly_as_a_one_token_step(compile):
+    """With every product through the int4 kernel and attention through ours (``core.attention``), a pass over a
+    tree of drafts gives each node, bit for bit, the logits AR's one-token steps give the same tokens: so greedy
+    sd cannot leave the int4 target's text at a near-tie (PyTorch's attention moved a 6-token chain's logits by
+    up to 0.75 on the embedded model)."""
+    from fuzzyspec.core.kvcache import StaticCache, attention_mask, write_positions
+
+    model = int4_model(seed=2, fused=True)
+    model.lm_head = quantize(model.lm_head.weight.data)
+    step = TargetStep(model, compile=compile)
+    assert step.forward.invariant
+
+    def run(cache, tokens, tree, depths):
+        rows, width = len(tokens), len(tokens[0])
+        starts = torch.tensor(cache.lengths[:rows])
+        mask = attention_mask(starts, tree, cache.capacity)
+        logits, _ = step(cache, torch.tensor(tokens), starts[:, None] + depths, write_positions(starts, width), mask,
+                         compiled=True)
+        cache.lengths = [length + width for length in cache.lengths]
+        return logits
+
+    prefix = [3, 9, 4, 17, 2]
+    with torch.inference_mode():
+        cache = StaticCache.for_model(model.config, 1, 32, torch.float32, "cpu")
+        run(cache, [prefix], torch.ones(1, 5, 5, dtype=torch.bool).tril(), torch.arange(5)[None])
+        # newest token 6, then the tree: 11 and 12 below it, 13 below 11, 14 below 13
+        tree = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]],
+                            dtype=torch.bool)
+        verified = run(cache, [[6, 11, 12, 13, 14]], tree, torch.tensor([[0, 1, 1, 2, 3]]))
+        for column, path in [(2, [6, 12]), (4, [6, 11, 13, 14])]:
+            cache = StaticCache.for_model(model.config, 1, 32, torch.float32, "cpu")
+            run(cache, [prefix], torch.ones(1, 5, 5, dtype=torch.bool).tril(), torch.arange(5)[None])
+            for token in path:  # AR: one token a step
+                one = run(cache, [[token]], torch.ones(1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long))
+            assert torch.equal(verified[0, column], one[0, 0]), path
+
+
 def test_a_float_layer_rounded_to_q8_0_keeps_its_bias_and_moves_by_the_rounding():
     generator = torch.Generator().manual_seed(4)
     linear = torch.nn.Linear(64, 48, bias=True)
@@ -157,9 +195,9 @@ def test_a_drafter_of_an_int4_target_reads_its_own_layers_at_8_bits_and_stays_lo
 
 NARROWER_BUILD = """
 import sys, torch
-from fuzzyspec.core import int4
+from fuzzyspec.core import kernels
 from fuzzyspec.core.int4 import Int4Linear, Int8Linear
-assert int4.isa() == sys.argv[1] and int4.available(), (int4.isa(), int4.unavailable())
+assert kernels.isa() == sys.argv[1] and kernels.available(), (kernels.isa(), kernels.unavailable())
 saved = torch.load(sys.argv[2])
 four = Int4Linear.from_codes(saved["codes4"], saved["scales"], saved["minimums"])
 eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])
@@ -176,10 +214,10 @@ def test_every_build_this_cpu_can_run_computes_the_same_products(tmp_path):
     import subprocess
     import sys
 
-    narrower = [name for name in list(int4.ISA_FLAGS)[list(int4.ISA_FLAGS).index(int4.isa()) + 1:]
-                if set(int4.ISA_FLAGS[name]) <= int4.cpu_flags()]
+    narrower = [name for name in list(kernels.ISA_FLAGS)[list(kernels.ISA_FLAGS).index(kernels.isa()) + 1:]
+                if set(kernels.ISA_FLAGS[name]) <= kernels.cpu_flags()]
     if not narrower:
-        pytest.skip(f"this CPU runs only the {int4.isa()} build")
+        pytest.skip(f"this CPU runs only the {kernels.isa()} build")
     generator = torch.Generator().manual_seed(3)
     saved = {"codes4": torch.randint(0, 16, (40, 96), generator=generator, dtype=torch.int32),
              "codes8": torch.randint(-128, 128, (40, 96), generator=generator, dtype=torch.int32),

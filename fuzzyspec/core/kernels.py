@@ -1,0 +1,102 @@
+"""Our CPU kernels: one C++ extension, built on first use on a machine for the widest instructions it has, and kept
+under the fuzzyspec cache.
+
+It holds two kernels, each with one job:
+
+- ``int4_kernel.cpp``: products of activations with llama.cpp's 4-bit and 8-bit weight blocks (``core.int4``);
+- ``attention_kernel.cpp``: attention over a static cache one query at a time (``core.attention``).
+
+Both compute a token's result by the same operations whatever else is in its batch, which is what lets a pass
+that verifies several drafted tokens give each the logits a one-token step would (``core.attention``).
+An x86 CPU with AVX2 and a C++ compiler is needed; elsewhere ``unavailable`` says why, and floats and PyTorch's
+attention serve.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from ..files import cache_dir
+
+SOURCES = [Path(__file__).with_name(name) for name in ("int4_kernel.cpp", "attention_kernel.cpp")]
+ROWS = 16  # weight rows per packed group of the int4 kernel (what its products return is in whole groups)
+# -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
+# -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+# Wider instructions where the CPU has them (the int4 kernel's #if blocks): VNNI's one-instruction byte
+# multiply-adds, in 256 bits (AVX-VNNI: 8 rows a register) or 512 (AVX-512: a whole group of 16 rows)
+ISA_FLAGS = {
+    "avx512-vnni": {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
+                    "avx512_vnni": "-mavx512vnni"},
+    "avx-vnni": {"avx_vnni": "-mavxvnni"},
+    "avx2": {},
+}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+                          ()))
+
+
+@functools.cache
+def isa() -> str:
+    """The instructions the kernels are built for here: the first of ``ISA_FLAGS`` whose flags the CPU has all of.
+    FUZZYSPEC_INT4_ISA (avx-vnni or avx2) holds a wider machine to a narrower build, to compare them."""
+    names = list(ISA_FLAGS)
+    asked = os.environ.get("FUZZYSPEC_INT4_ISA", "").lower()
+    allowed = names[names.index(asked):] if asked in names else names
+    return next(name for name in allowed if set(ISA_FLAGS[name]) <= cpu_flags())
+
+
+def build_flags() -> list[str]:
+    return FLAGS + list(ISA_FLAGS[isa()].values())
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the kernels cannot run here, or None where they run (building them on first use on a machine)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return f"the CPU kernels need an x86 CPU with AVX2 (this is {platform.machine()})"
+    from torch.utils import cpp_extension
+
+    # The build is these sources, with these flags, for this torch: a change to any builds anew, beside the old one.
+    flags = build_flags()
+    built_from = b"".join(source.read_bytes() for source in SOURCES) + " ".join(flags).encode() + \
+        torch.__version__.encode()
+    digest = hashlib.sha256(built_from).hexdigest()[:12]
+    name = f"fuzzyspec_int4_{digest}"
+    folder = cache_dir() / "kernels" / name
+    if not (folder / f"{name}.so").is_file():
+        print(f"fuzzyspec: first use on this machine: building the CPU kernels (about 20 s; kept in {folder}) ...",
+              file=sys.stderr, flush=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name, [str(source) for source in SOURCES], build_directory=str(folder),
+                           is_python_module=False, extra_cflags=flags)
+    except Exception as error:  # no compiler, no ninja, an unwritable cache, a failed build: each says so first
+        lines = str(error).strip().splitlines()
+        return f"the CPU kernels could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"
+    # torch.compile traces the ops by what they return: x [..., K] -> [..., N]; attention keeps the query's shape
+    for op in ("mm_q4", "mm_q8"):
+        torch.library.register_fake(f"fuzzyspec_int4::{op}")(
+            lambda x, packed: x.new_empty((*x.shape[:-1], packed.shape[0] * ROWS)))
+    torch.library.register_fake("fuzzyspec_attention::attend")(
+        lambda query, keys, values, mask, scale: query.new_empty(query.shape))
+    return None
+
+
+def available() -> bool:
+    """Whether the kernels run on this machine (see ``unavailable`` for why not)."""
+    return unavailable() is None

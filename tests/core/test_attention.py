@@ -1,0 +1,53 @@
+"""Our CPU attention: it is attention, and a query's numbers depend only on the keys and values it sees."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fuzzyspec.core import kernels
+from fuzzyspec.core.attention import attend
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable()}")
+
+
+def random_pass(rows, width, heads, kv_heads, dim, capacity, seed):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, width, heads, dim, generator=generator)
+    keys = torch.randn(rows, kv_heads, capacity, dim, generator=generator)
+    values = torch.randn(rows, kv_heads, capacity, dim, generator=generator)
+    mask = torch.rand(rows, 1, width, capacity, generator=generator) < 0.6
+    mask[..., 0] = True  # every query sees something
+    return query, keys, values, mask
+
+
+@pytest.mark.parametrize("dim", [8, 12, 64])
+def test_it_is_attention_with_grouped_heads_and_any_mask(dim):
+    query, keys, values, mask = random_pass(2, 5, 6, 2, dim, 40, seed=dim)
+    expected = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=mask, scale=0.3,
+                                              enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_querys_result_depends_only_on_the_keys_it_sees_in_order():
+    """Alone over positions 0 .. n-1, or in a wider pass of several rows with the same keys and values scattered
+    (in the same order) among positions it may not see: bit for bit the same. This is what makes a tree node's
+    verification score it as AR's one-token step does."""
+    heads, kv_heads, dim, seen = 4, 2, 64, 23
+    query, keys, values, _ = random_pass(1, 1, heads, kv_heads, dim, seen, seed=1)
+    alone = attend(query, keys, values, torch.ones(1, 1, 1, seen, dtype=torch.bool), 0.125)
+
+    wide_query, wide_keys, wide_values, wide_mask = random_pass(3, 6, heads, kv_heads, dim, 64, seed=2)
+    where = torch.sort(torch.randperm(64, generator=torch.Generator().manual_seed(3))[:seen]).values
+    wide_query[1, 4] = query[0, 0]
+    wide_keys[1][:, where], wide_values[1][:, where] = keys[0], values[0]
+    wide_mask[1, 0, 4] = False
+    wide_mask[1, 0, 4, where] = True
+    together = attend(wide_query, wide_keys, wide_values, wide_mask, 0.125)
+    assert torch.equal(together[1, 4], alone[0, 0])
+
+
+def test_bad_operands_are_one_clear_error():
+    query, keys, values, mask = random_pass(1, 2, 4, 2, 8, 10, seed=0)
+    with pytest.raises(RuntimeError, match="bool mask"):
+        attend(query, keys, values, mask.float(), 1.0)
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        attend(query, keys, values, mask[..., :9], 1.0)
