@@ -13,8 +13,8 @@ Everything in one process, on the embedded SmolLM2-135M-Instruct and its shipped
    tokens/s and its ratio to the old AR and to compiled AR of the same form, tokens per target pass, the
    acceptance step's share of decoding time, and the default job per prompt category;
 4. llama.cpp's plain decoding of the same GGUF on the same threads, when llama-cpp-python is installed;
-5. with --cli, the README's main command in fresh processes against ``--method ar``: the first run (a fresh
-   cache holding only the GGUF) and a second one.
+5. with --cli, the README's main command in fresh processes against ``--method ar``, alternating: three first
+   runs (each with a fresh cache holding only the GGUF) and three second runs; medians.
 
 Every figure is a median or a sum measured here; the header records the CPU's instruction sets, because a
 machine with AVX2 only and one with AVX512-BF16 behave differently.
@@ -111,9 +111,11 @@ def make_steps(pairs: dict[str, ModelPair], modes: list[str]) -> dict[tuple[str,
     for form, pair in pairs.items():
         for mode in modes:
             step = TargetStep(pair.target, compile=mode == "compiled")
-            key = tuning.profile_key(None, form.removesuffix("-unfused"), "auto", "cpu", mode == "compiled")
+            key = tuning.profile_key(None, form.split("-")[0], "auto", "cpu", mode == "compiled")
             step.profile = tuning.load(key)
-            step.profile_key = None if form.endswith("-unfused") else key  # the unfused form's costs are not kept
+            step.profile_key = None if "-" in form else key  # the variants' costs are not kept
+            if form.endswith("-sdpa"):
+                step.forward.invariant = False
             steps[form, mode] = step
     return steps
 
@@ -216,39 +218,45 @@ def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], Target
 
 
 def cli_runs(repeats: int) -> dict:
-    """The README's main command against --method ar, fresh processes: the first run with a fresh cache holding
-    only the GGUF, then a second run with that cache; seconds of the whole process, and the answer's tokens."""
-    results = {}
+    """The README's main command against --method ar, fresh processes, alternating: ``repeats`` first runs (each
+    with a fresh cache holding only the GGUF, so each builds the kernels and converts the tokenizer), then
+    ``repeats`` second runs on the last of those caches; median seconds of the whole process, and the answer's
+    tokens. (One first run each was not enough: the kernels' build alone moves by about 0.5 s between runs.)"""
+    results: dict = {}
     env = dict(os.environ)
+    labels = (("default job", []), ("ar", ["--method", "ar"]))
     with tempfile.TemporaryDirectory(prefix="fuzzyspec-cache-") as fresh:
         for attempt in ("first run", "second run"):
-            for label, extra in (("default job", []), ("ar", ["--method", "ar"])):
-                cache = Path(fresh) / label.replace(" ", "-")
-                if attempt == "first run":
-                    (cache / "gguf").mkdir(parents=True)
-                    shutil.copy(embedded_gguf(), cache / "gguf" / embedded_gguf().name)
-                env["FUZZYSPEC_CACHE"] = str(cache)
-                times = []
-                for _ in range(1 if attempt == "first run" else repeats):
+            times: dict[str, list[float]] = {label: [] for label, _ in labels}
+            for repeat in range(repeats):
+                for label, extra in labels if repeat % 2 == 0 else labels[::-1]:
+                    cache = Path(fresh) / label.replace(" ", "-")
+                    if attempt == "first run":
+                        shutil.rmtree(cache, ignore_errors=True)
+                        (cache / "gguf").mkdir(parents=True)
+                        shutil.copy(embedded_gguf(), cache / "gguf" / embedded_gguf().name)
+                    env["FUZZYSPEC_CACHE"] = str(cache)
                     clock = time.perf_counter()
                     done = subprocess.run([sys.executable, "-m", "fuzzyspec", "--threads", str(torch.get_num_threads()),
                                            "generate", MAIN_PROMPT, "--json", *extra], capture_output=True, text=True,
                                           env=env, timeout=1800)
-                    times.append(time.perf_counter() - clock)
+                    times[label].append(time.perf_counter() - clock)
                     if done.returncode:
                         raise SystemExit(done.stderr)
-                answer = json.loads(done.stdout)
-                results[f"{label}, {attempt}"] = {"seconds": statistics.median(times),
-                                                  "tokens": answer["stats"]["new_tokens"],
-                                                  "tokens_per_pass": answer["stats"]["mean_accepted"]}
+                    answer = json.loads(done.stdout)
+                    results[f"{label}, {attempt}"] = {"seconds": statistics.median(times[label]),
+                                                      "runs": times[label],
+                                                      "tokens": answer["stats"]["new_tokens"],
+                                                      "tokens_per_pass": answer["stats"]["mean_accepted"]}
     return results
 
 
 def load_form(form: str) -> ModelPair:
     """The embedded target in a weights form; ``int4-unfused``: int4 with q, k, v and gate, up as separate
-    products (as before ``int4.fuse_projections``), for the side-by-side."""
+    products (as before ``int4.fuse_projections``); ``int4-sdpa``: int4 with PyTorch's attention in place of ours
+    (``core.attention``), for the side-by-side."""
     if form != "int4-unfused":
-        return ModelPair.load(draft=None, weights=form)
+        return ModelPair.load(draft=None, weights=form.removesuffix("-sdpa"))  # (make_steps sets the attention)
     pair = ModelPair.load(draft=None, weights="int4")
     for layer in pair.target.model.layers:
         del layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
@@ -262,7 +270,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--forms", default="int4,fp32",
-                        help="weights forms: int4, fp32, bf16, and int4-unfused (int4 without fused projections)")
+                        help="weights forms: int4, fp32, bf16, int4-unfused (int4 without fused projections) and int4-sdpa "
+                             "(int4 with PyTorch's attention in place of ours)")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"decoding rows, of: {', '.join(ROWS)}")
     parser.add_argument("--curve", default="1,2,3,4,5,6,8,12,17,24,32", help="widths of the cost curve ('' : none)")
