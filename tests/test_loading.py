@@ -75,13 +75,13 @@ def test_the_weights_form_is_decided_before_loading(tmp_path):
     assert weight_form(str(unreadable)) == ("int4" if kernels.available() else "auto")
 
 
-def test_where_the_4bit_kernel_cannot_run_auto_holds_floats_and_int4_says_why(monkeypatch):
+def test_where_the_kernels_cannot_run_auto_holds_floats_and_int4_says_why(monkeypatch):
     from fuzzyspec.core import kernels
     from fuzzyspec.loading import weight_form
 
-    monkeypatch.setattr(kernels, "unavailable", lambda: "the 4-bit kernel could not be built here (no compiler)")
+    monkeypatch.setattr(kernels, "unavailable", lambda: "the CPU kernels could not be built here (no compiler)")
     assert weight_form(None) == "auto"  # floats, by --dtype auto
-    with pytest.raises(LoadError, match=r"^--weights int4 is not available: the 4-bit kernel could not be built here "
+    with pytest.raises(LoadError, match=r"^--weights int4 is not available: the CPU kernels could not be built here "
                                         r"\(no compiler\); use --weights fp32$"):
         weight_form(None, "int4")
 

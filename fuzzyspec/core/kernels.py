@@ -79,7 +79,7 @@ def unavailable() -> str | None:
     name = f"fuzzyspec_int4_{digest}"
     folder = cache_dir() / "kernels" / name
     if not (folder / f"{name}.so").is_file():
-        print(f"fuzzyspec: first use on this machine: building the CPU kernels (about 20 s; kept in {folder}) ...",
+        print(f"fuzzyspec: first use on this machine: building the CPU kernels (about 10-20 s; kept in {folder}) ...",
               file=sys.stderr, flush=True)
     try:
         folder.mkdir(parents=True, exist_ok=True)

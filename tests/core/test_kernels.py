@@ -1,0 +1,59 @@
+"""Our CPU kernels' builds: every instruction set's build computes the same numbers."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fuzzyspec.core import kernels
+from fuzzyspec.core.attention import attend
+from fuzzyspec.core.int4 import Int4Linear, Int8Linear
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable()}")
+
+NARROWER_BUILD = """
+import sys, torch
+from fuzzyspec.core import kernels
+from fuzzyspec.core.attention import attend
+from fuzzyspec.core.int4 import Int4Linear, Int8Linear
+assert kernels.isa() == sys.argv[1] and kernels.available(), (kernels.isa(), kernels.unavailable())
+saved = torch.load(sys.argv[2])
+four = Int4Linear.from_codes(saved["codes4"], saved["scales"], saved["minimums"])
+eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])
+x = saved["x"]
+torch.save({"four": four(x), "eight": eight(x), "alone": torch.cat([four(x[i: i + 1]) for i in range(len(x))]),
+            "attention": attend(*saved["attention"], 0.125)}, sys.argv[3])
+"""
+
+
+def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
+    """Each instruction set's code path (AVX-512 VNNI, AVX-VNNI, AVX2) is held to the same formula: a machine runs
+    only its widest build, so the narrower ones are built here (FUZZYSPEC_INT4_ISA) and run in a fresh process.
+    (The attention kernel is written for AVX2 alone; a wider build must not change its numbers either.)"""
+    narrower = [name for name in list(kernels.ISA_FLAGS)[list(kernels.ISA_FLAGS).index(kernels.isa()) + 1:]
+                if set(kernels.ISA_FLAGS[name]) <= kernels.cpu_flags()]
+    if not narrower:
+        pytest.skip(f"this CPU runs only the {kernels.isa()} build")
+    generator = torch.Generator().manual_seed(3)
+    mask = torch.rand(2, 1, 5, 40, generator=generator) < 0.6
+    mask[..., 0] = True
+    saved = {"codes4": torch.randint(0, 16, (40, 96), generator=generator, dtype=torch.int32),
+             "codes8": torch.randint(-128, 128, (40, 96), generator=generator, dtype=torch.int32),
+             "scales": (torch.rand(40, 3, generator=generator) * 0.05 + 0.001).half(),
+             "minimums": (torch.randn(40, 3, generator=generator) * 0.05).half(),
+             "x": torch.randn(9, 96, generator=generator),
+             "attention": (torch.randn(2, 5, 6, 12, generator=generator), torch.randn(2, 2, 40, 12, generator=generator),
+                           torch.randn(2, 2, 40, 12, generator=generator), mask)}
+    torch.save(saved, tmp_path / "in.pt")
+    four = Int4Linear.from_codes(saved["codes4"], saved["scales"], saved["minimums"])
+    eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])
+    for name in narrower:
+        subprocess.run([sys.executable, "-c", NARROWER_BUILD, name, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       check=True, env=os.environ | {"FUZZYSPEC_INT4_ISA": name})
+        out = torch.load(tmp_path / "out.pt")
+        # same integer dot products, same float steps after them: equal bit for bit, and batch-invariant there too
+        assert torch.equal(out["four"], four(saved["x"])), name
+        assert torch.equal(out["eight"], eight(saved["x"])), name
+        assert torch.equal(out["alone"], out["four"]), name
+        assert torch.equal(out["attention"], attend(*saved["attention"], 0.125)), name
