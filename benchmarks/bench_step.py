@@ -49,7 +49,7 @@ from fuzzyspec.loading import cache_dir, embedded_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERYDAY = ROOT / "fuzzyspec" / "prompts" / "everyday.jsonl"
-MAIN_PROMPT = "Explain speculative decoding in one sentence."
+MAIN_PROMPT = "Give me three tips for writing clear emails."  # the README's main command
 # name -> (drafter, decoding options); "default" and "ar" are the job and the target alone.
 ROWS = {
     "ar": (None, {"method": "ar"}),
