@@ -5,7 +5,7 @@ PyTorch's attention (``scaled_dot_product_attention``) computes a query differen
 and reductions follow the shapes), so a verification gave a token logits that differ in the last bits from a
 one-token step's. With int4 weights the kernel rounds each token's activations to 8 bits, which turns such
 last-bit differences into whole quanta: on the embedded model a 6-token chain's logits moved by up to 0.75, and
-greedy ``sd`` left AR's text on 11 of 13 everyday prompts.
+greedy ``sd`` left AR's text on 11 of 13 prompts (12 of them everyday ones).
 
 ``attend`` (``attention_kernel.cpp``) visits, for each query and head, the cached positions its mask allows in
 increasing order: scores s_i = scale q.k_i, m = max s_i, p_i = exp(s_i - m), out = sum p_i v_i / sum p_i, each
