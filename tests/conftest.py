@@ -99,3 +99,18 @@ def tiny_dirs(tmp_path_factory, embedded_tokenizer) -> dict[str, str]:
 @pytest.fixture
 def prompt() -> torch.Tensor:
     return torch.tensor([[1, 5, 9, 3, 7, 2]])
+
+
+def run_step(step, cache, rows_tokens, tree=None, depths=None, keep=0, features=(), compiled=False):
+    """Feed each row its tokens at its own length (a chain unless ``tree`` [B, k, k] and ``depths`` [B, k] say
+    otherwise); returns what the forward returns."""
+    from fuzzyspec.core.kvcache import attention_mask, chain_tree, write_positions
+
+    tokens = torch.tensor(rows_tokens)
+    rows, width = tokens.shape
+    starts = torch.tensor(cache.lengths[:rows])
+    tree = chain_tree(rows, width, "cpu") if tree is None else tree
+    depths = torch.arange(width).expand(rows, width) if depths is None else depths
+    mask = attention_mask(starts, tree, cache.capacity)
+    return step(cache, tokens, starts[:, None] + depths, write_positions(starts, width), mask, None, keep, features,
+                compiled=compiled)

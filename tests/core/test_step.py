@@ -2,21 +2,9 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
-from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+from conftest import run_step as run, tiny_llama
+from fuzzyspec.core.kvcache import StaticCache, chain_tree
 from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep
-
-
-def run(step, cache, rows_tokens, tree=None, depths=None, keep=0, features=(), compiled=False):
-    """Feed each row its tokens at its own length; returns what the forward returns."""
-    tokens = torch.tensor(rows_tokens)
-    rows, width = tokens.shape
-    starts = torch.tensor(cache.lengths[:rows])
-    tree = chain_tree(rows, width, "cpu") if tree is None else tree
-    depths = torch.arange(width).expand(rows, width) if depths is None else depths
-    mask = attention_mask(starts, tree, cache.capacity)
-    return step(cache, tokens, starts[:, None] + depths, write_positions(starts, width), mask, None, keep, features,
-                compiled=compiled)
 
 
 def plain(model, tokens):
