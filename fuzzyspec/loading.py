@@ -214,12 +214,19 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
     ``cuda:N``, or ``auto`` to spread a large model over all GPUs (``device_map="auto"``). ``tp``: shard
     it over the ranks of this ``torchrun`` launch with transformers' tensor-parallel plan (``core.parallel``).
     """
+    tokenizer = None
+    if weights in ("auto", "int4") and dtype in ("auto", "float32") and device == "cpu" and not tp and \
+            _is_gguf(name) and _has_int4_linears(name):
+        # Likely the int4 form, which needs the kernels (built on a machine's first use) and the file's
+        # tokenizer (converted on its first use): the one is built in other processes while the other converts.
+        kernels.build_soon()
+        tokenizer = _gguf_tokenizer(name)
     form = dtype if weights is None else weight_form(name, weights, dtype, device)
     if tp and (form == "int4" or device == "auto"):
         raise LoadError("a tensor-parallel target needs float weights on one device per rank: use --weights "
                         "bf16 or fp32 and --device cpu or cuda")
     if form == "int4":
-        return _load_int4(name)
+        return _load_int4(name, tokenizer)
     torch_dtype = resolve_dtype(form, device)
     kwargs: dict = {"dtype": torch_dtype}
     if device == "auto":
@@ -248,9 +255,7 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
             AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
-        # A truncated or corrupt file fails deep in a reader (struct.error from GGUF's): one line says so.
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise LoadError(f"could not load model {name!r} ({type(error).__name__}): {first_line}") from error
+        raise _unloadable(name, error) from error
     if tp:
         _check_shardable(model)
     elif device != "auto":
@@ -272,38 +277,46 @@ def _check_shardable(model: PreTrainedModel) -> None:
                         "split evenly")
 
 
-def _load_int4(name: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A GGUF target at its own 4-bit bytes, with its tokenizer (cached after the first load)."""
+def _load_int4(name: str | None, tokenizer: PreTrainedTokenizerBase | None = None
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF target at its own 4-bit bytes, with its tokenizer (``_gguf_tokenizer`` where not given)."""
     from . import gguf
 
+    tokenizer = tokenizer or _gguf_tokenizer(name)
+    try:
+        model = gguf.load_int4(gguf_source(name))
+    except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
+        raise _unloadable(name, error) from error
+    return model, tokenizer
+
+
+def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
+    """A GGUF target's tokenizer: transformers reads it from the file (several seconds), so it is kept as a
+    folder in the fuzzyspec cache (the embedded model's converted folder serves when it is there)."""
     path = gguf_source(name)
     if not path.is_file():
         raise LoadError(f"model file not found: {name}")
     try:
-        model = gguf.load_int4(path)
-        tokenizer = _gguf_tokenizer(path, f"{path.stem}-{path.stat().st_size}")
+        if path == embedded_gguf() and (cache_dir() / EMBEDDED / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(cache_dir() / EMBEDDED)
+        folder = cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}"
+        if not (folder / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+            tokenizer.save_pretrained(partial)
+            try:
+                partial.rename(folder)
+            except OSError:  # another process finished first
+                shutil.rmtree(partial, ignore_errors=True)
+        return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise LoadError(f"could not load model {str(name or EMBEDDED)!r} ({type(error).__name__}): "
-                        f"{first_line}") from error
-    return model, tokenizer
+        raise _unloadable(name, error) from error
 
 
-def _gguf_tokenizer(path: Path, stem: str) -> PreTrainedTokenizerBase:
-    """A GGUF file's tokenizer: transformers reads it from the file (several seconds), so it is kept as a
-    folder in the fuzzyspec cache (the embedded model's converted folder serves when it is there)."""
-    if path == embedded_gguf() and (cache_dir() / EMBEDDED / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(cache_dir() / EMBEDDED)
-    folder = cache_dir() / "tokenizers" / stem
-    if not (folder / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        tokenizer.save_pretrained(partial)
-        try:
-            partial.rename(folder)
-        except OSError:  # another process finished first
-            shutil.rmtree(partial, ignore_errors=True)
-    return AutoTokenizer.from_pretrained(folder)
+def _unloadable(name: str | None, error: Exception) -> LoadError:
+    """A file that fails deep in a reader (struct.error from GGUF's): one line says so."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return LoadError(f"could not load model {str(name or EMBEDDED)!r} ({type(error).__name__}): {first_line}")
 
 
 ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")  # the extensions that decide a step's speed

@@ -57,3 +57,27 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
         assert torch.equal(out["eight"], eight(saved["x"])), name
         assert torch.equal(out["alone"], out["four"]), name
         assert torch.equal(out["attention"], attend(*saved["attention"], 0.125)), name
+
+
+def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch):
+    """``build_soon`` builds on a thread of its own while a model loads; whoever asks ``available`` meanwhile waits
+    for that build's answer instead of starting a second build of the same files."""
+    import functools
+    import threading
+    import time
+
+    builds, started = [], threading.Event()
+
+    @functools.cache
+    def slow_build():
+        started.set()
+        time.sleep(0.3)
+        builds.append(threading.current_thread().name)
+        return None
+
+    monkeypatch.setattr(kernels, "_build", slow_build)
+    kernels.build_soon()
+    assert started.wait(5)
+    assert kernels.available() and builds == ["fuzzyspec-kernels"]  # waited for the thread's build
+    kernels.build_soon()  # built already: nothing more starts
+    assert kernels.available() and builds == ["fuzzyspec-kernels"]
