@@ -279,6 +279,7 @@ def main() -> None:
     parser.add_argument("--before", default="628761a", help="the commit whose eager AR is the baseline ('': none)")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--cli", action="store_true", help="also time the README's main command in fresh processes")
+    parser.add_argument("--cli-repeats", type=int, default=3, help="first runs and second runs each, per mode")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -345,7 +346,7 @@ def main() -> None:
                     f"{c}: {(job['by_category'][c][0] / job['by_category'][c][1]) / (ar['by_category'][c][0] / ar['by_category'][c][1]):.2f}"
                     for c in job["by_category"]))
     if args.cli:
-        report["cli"] = cli_runs(repeats=3)
+        report["cli"] = cli_runs(repeats=args.cli_repeats)
         print("\nthe README's main command, whole processes (seconds; answer tokens; tokens per pass)")
         for label, run in report["cli"].items():
             print(f"  {label:<26} {run['seconds']:7.2f} s  {run['tokens']:4d} tokens  {run['tokens_per_pass'] or 0:.2f}")

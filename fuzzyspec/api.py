@@ -74,8 +74,9 @@ class ModelPair:
         from . import tuning
 
         shards = parallel.world_size() if tp else 1
-        key = tuning.profile_key(target, weights, dtype, device, compile, shards)  # checks the options first
+        # (the options are checked before the weights load: ``load_model`` decides the form first)
         target_model, tokenizer = load_model(target, dtype, device, weights, tp=tp)
+        key = tuning.profile_key(target, weights, dtype, device, compile, shards)
         source = load_drafter(draft, target_model, tokenizer, target, dtype, device, weights) \
             if draft is not None else None
         step = TargetStep(target_model, compile=compile)
