@@ -22,8 +22,8 @@ chain about 30% cheaper than it was, on a 4-bit target).
 ``tuning`` keeps the profile per target, weights, dtype, device, thread count and compilation. A width never
 measured is assumed to cost what the nearest measured narrower width costs (optimism: it gets tried, and after
 a few measurements their minimum decides), a draft size below every measured one its share of the smallest
-measured (drafting nothing costs nothing), and acceptances start from an optimistic prior that a row's own
-steps soon outweigh; a row's counts fade every step, so one that stopped drafting comes back to the prior.
+measured (drafting nothing costs nothing), and acceptances start from a prior worth about ten of a row's
+own steps; a row's counts fade slowly every step, so one that stopped drafting comes back to the prior.
 """
 from __future__ import annotations
 
@@ -33,11 +33,20 @@ from typing import Callable
 
 from .config import tree_nodes
 
-PRIOR_ACCEPTANCE = 0.6  # a_j(1) before a row has data: close to what the shipped drafters' chains reach
+PRIOR_ACCEPTANCE = 0.5  # a_j(1) before a row has data: the shipped EAGLE chain's first draft averaged 0.51
 PRIOR_WIDER = 0.15      # the share of a chain's misses each further child per node is assumed to catch
-PRIOR_WEIGHT = 2.0      # in steps: how soon a row's own data outweighs the prior
-MEMORY = 0.95           # a row's counts fade by this per step, so its estimate follows the text it writes
+# Within an answer a draft's acceptance is close to independent from step to step (the shipped EAGLE chain's
+# first draft, 16 everyday answers: lag-1 correlation 0.04 about each answer's own rate), while answers differ
+# (rates 0.35-0.78 around 0.51). So a row's estimate is its answer's long average, and the prior weighs what a
+# spread of about 0.11 between answers is worth: about ten steps. With a prior of 0.6 worth two steps and counts
+# fading by 0.95, an estimate swung by chance under break-even often enough to send 36-58% of a compiled int4
+# target's steps to AR, where drafting paid: 1.00x AR against 1.06x with these values (24 everyday prompts,
+# interleaved; a prior of 0.6 worth ten steps, 1.03x, drafted wider and deeper than paid). Where drafting does
+# not pay (float32 compiled steps, a 2-token pass 1.6x a 1-token one) they draft on 2% of steps and stay at AR.
+PRIOR_WEIGHT = 10.0     # in steps: how soon a row's own data outweighs the prior
+MEMORY = 0.99           # a row's counts fade by this per step, so a long answer's estimate follows its text
 TRIALS = 3              # measurements of a new size before the planner trusts its cost
+STRIDE = 0.02           # how far one measurement moves a cost's running median, as a share of it
 TARGET = ""             # the target's key among the drafters' (whose keys name a drafter and shape)
 OUTSIDE = "+"           # the key of what steps spend outside the forward
 
@@ -149,15 +158,18 @@ def _lookup(measured: dict[int, float], x: int) -> float:
 
 
 def _fold(measured: dict[int, float], x: int, ms: float) -> None:
-    """A running median-like estimate: new measurements move it by a fraction, outliers by little."""
+    """A running median: each measurement moves the estimate ``STRIDE`` of itself towards it (at most all the way).
+    A running mean (a fifth of the way, up to half the estimate) sat above the median on a shared machine's
+    spikes, and unevenly: a size the planner stopped running kept the last spike it met while the sizes it ran
+    came back down (a 2-token compiled step stuck at 1.38x a 1-token one, whose steps measured 1.12x)."""
     old = measured.get(x)
-    measured[x] = ms if old is None else old + 0.2 * max(-old / 2, min(old / 2, ms - old))
+    measured[x] = ms if old is None else old + max(-STRIDE * old, min(STRIDE * old, ms - old))
 
 
 @dataclass
 class Acceptance:
     """A row's running chance that a draft at depth j is accepted given the drafts above it were, per breadth k
-    (children per node), with fading counts and an optimistic prior.
+    (children per node), with fading counts and a prior.
 
     One step informs every breadth up to the one it drafted: where a k-wide draft's accepted child is its
     parent's r-th most likely, a draft r or more wide would have kept it, a narrower one would have stopped
