@@ -33,16 +33,19 @@ from typing import Callable
 
 from .config import tree_nodes
 
-PRIOR_ACCEPTANCE = 0.5  # a_j(1) before a row has data: the shipped EAGLE chain's first draft averaged 0.51
+PRIOR_ACCEPTANCE = 0.6  # a_j(1) before a row has data (the shipped EAGLE chain's first draft averaged 0.51; with
+# PRIOR_WIDER's widening, 0.6 gives trees 2, 4 and 8 wide the 0.66, 0.75 and 0.87 those drafts reached. A prior of
+# 0.5 ran 1.06x AR against 0.6's 1.03 in one run, but in another, where a 2-token step had been measured dear, it
+# left 54% of steps to AR: 1.01x against 1.02)
 PRIOR_WIDER = 0.15      # the share of a chain's misses each further child per node is assumed to catch
 # Within an answer a draft's acceptance is close to independent from step to step (the shipped EAGLE chain's
 # first draft, 16 everyday answers: lag-1 correlation 0.04 about each answer's own rate), while answers differ
 # (rates 0.35-0.78 around 0.51). So a row's estimate is its answer's long average, and the prior weighs what a
-# spread of about 0.11 between answers is worth: about ten steps. With a prior of 0.6 worth two steps and counts
-# fading by 0.95, an estimate swung by chance under break-even often enough to send 36-58% of a compiled int4
-# target's steps to AR, where drafting paid: 1.00x AR against 1.06x with these values (24 everyday prompts,
-# interleaved; a prior of 0.6 worth ten steps, 1.03x, drafted wider and deeper than paid). Where drafting does
-# not pay (float32 compiled steps, a 2-token pass 1.6x a 1-token one) they draft on 2% of steps and stay at AR.
+# spread of about 0.11 between answers is worth: about ten steps. With a prior worth two steps and counts fading
+# by 0.95, an estimate swung by chance under break-even often enough to send 31-58% of a compiled int4 target's
+# steps to AR, where drafting paid: in three interleaved runs of 24-32 everyday prompts the default job ran
+# 1.00-1.04x AR that way and 1.02-1.05x with these values (2-7% of steps AR); eager, and float32 compiled
+# (where drafting hardly pays), the same as before within a run's noise (benchmarks/results_planner_ab_epyc.txt).
 PRIOR_WEIGHT = 10.0     # in steps: how soon a row's own data outweighs the prior
 MEMORY = 0.99           # a row's counts fade by this per step, so a long answer's estimate follows its text
 TRIALS = 3              # measurements of a new size before the planner trusts its cost

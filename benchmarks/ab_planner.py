@@ -1,0 +1,130 @@
+"""The cost planner's estimates, A/B: the default job under variants of the planner's constants, against AR and a
+fixed 1-token chain, every variant decoding every prompt in turn (interleaved, the starting one rotating), each
+with its own copy of the cost profile (measured as it runs, from the same start).
+
+A variant is ``ar``, ``chain1`` (every step a 1-token EAGLE chain), or ``+``-joined changes to the planner as
+shipped: ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
+0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26). The planner before that day is
+``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
+
+Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps that drafted nothing, the ratio per
+prompt category, and each variant's profile at the end; and the CPU's instruction sets.
+
+Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24]
+           [--variants ar,meanfold+w2m95+p6+k15,default,chain1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import everyday  # noqa: E402 (this folder's module)
+
+from fuzzyspec import tuning  # noqa: E402
+from fuzzyspec.api import ModelPair  # noqa: E402
+from fuzzyspec.core import cost  # noqa: E402
+from fuzzyspec.core.cost import Profile  # noqa: E402
+from fuzzyspec.core.step import TargetStep  # noqa: E402
+from fuzzyspec.loading import cpu_isa  # noqa: E402
+
+SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold")}
+COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
+
+
+def mean_fold(measured: dict[int, float], x: int, ms: float) -> None:
+    """Costs as the planner kept them before 2026-11-26: a fifth of the way to each measurement, at most half."""
+    old = measured.get(x)
+    measured[x] = ms if old is None else old + 0.2 * max(-old / 2, min(old / 2, ms - old))
+
+
+def apply(variant: str) -> dict:
+    """Set the planner's constants for ``variant``; the decoding options it runs with."""
+    for name, value in SHIPPED.items():
+        setattr(cost, name, value)
+    if variant == "ar":
+        return {"method": "ar"}
+    if variant == "chain1":
+        return {"tree": False, "gamma": 1, "gamma_schedule": "constant", "method": "sd"}
+    for part in variant.split("+"):
+        if part == "meanfold":
+            cost._fold = mean_fold
+        elif part.startswith("w") and "m" in part:
+            cost.PRIOR_WEIGHT = float(part[1: part.index("m")])
+            cost.MEMORY = float("0." + part[part.index("m") + 1:])
+        elif part.startswith("p"):
+            cost.PRIOR_ACCEPTANCE = float("0." + part[1:])
+        elif part.startswith("k"):
+            cost.PRIOR_WIDER = float("0." + part[1:])
+        elif part != "default":
+            raise SystemExit(f"unknown variant part {part!r}")
+    return {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("eager", "compiled"), default="compiled")
+    parser.add_argument("--form", default="int4", help="weights: int4, fp32 or bf16")
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", default="ar,meanfold+w2m95+p6+k15,default,chain1")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = args.variants.split(",")
+    if "ar" not in variants:
+        raise SystemExit("--variants must include ar (the ratios are to it)")
+    pair = ModelPair.load(draft=None, weights=args.form)
+    step = TargetStep(pair.target, compile=args.mode == "compiled")
+    job = ModelPair(pair.target, pair.tokenizer, pair.with_drafter("default").draft, step, None)
+    prompts = everyday(args.prompts)
+    if step.compile:
+        tuning.prepare(job, job.config(**COMMON), (256, 512))
+    start = step.profile.to_dict()
+    profiles = {variant: Profile.from_dict(start) for variant in variants}
+    for variant in variants:  # warm: each variant's first steps measure its profile's new sizes
+        options, step.profile = apply(variant), profiles[variant]
+        job.generate(job.encode(prompts[0][1]), **(COMMON | options))
+    totals = {v: {"seconds": 0.0, "tokens": 0, "passes": 0, "drafted": 0, "by_category": {}} for v in variants}
+    for index, (category, prompt) in enumerate(prompts):
+        ids = job.encode(prompt)
+        for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
+            options, step.profile = apply(variant), profiles[variant]
+            clock = time.perf_counter()
+            stats = job.generate(ids, **(COMMON | options)).stats
+            seconds = time.perf_counter() - clock
+            total = totals[variant]
+            total["seconds"] += seconds
+            total["tokens"] += stats.new_tokens
+            total["passes"] += stats.target_forwards
+            total["drafted"] += stats.reached_at[0] if stats.reached_at else 0
+            made = total["by_category"].setdefault(category, [0, 0.0])
+            made[0] += stats.new_tokens
+            made[1] += seconds
+        print(f"fuzzyspec: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    apply("default")
+    print(f"CPU: {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; {args.form} {args.mode}; "
+          f"{len(prompts)} everyday prompts x {COMMON['max_new_tokens']} tokens, greedy")
+    ar = totals["ar"]
+
+    def speed(tokens: float, seconds: float) -> float:
+        return tokens / seconds if seconds else 0.0
+
+    for variant in variants:
+        total = totals[variant]
+        rate = speed(total["tokens"], total["seconds"])
+        categories = {c: speed(*made) / speed(*ar["by_category"][c]) for c, made in total["by_category"].items()}
+        print(f"{variant:24s} {rate:7.1f} tok/s  x AR {rate / speed(ar['tokens'], ar['seconds']):.3f}  "
+              f"tok/pass {total['tokens'] / total['passes']:.2f}  steps drafting nothing "
+              f"{1 - total['drafted'] / total['passes']:.2f}  categories {min(categories.values()):.3f}-"
+              f"{max(categories.values()):.3f}  " + " ".join(f"{c} {r:.3f}" for c, r in categories.items()))
+    for variant in variants:
+        print(f"profile {variant}: {json.dumps(profiles[variant].to_dict())}")
+
+
+if __name__ == "__main__":
+    main()
