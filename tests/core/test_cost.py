@@ -172,6 +172,16 @@ def test_a_cost_follows_the_median_of_its_measurements_not_their_spikes():
     assert profile.target_ms(2) < 10.5
 
 
+def test_no_width_is_priced_above_a_wider_one():
+    """Noise made a 2-token pass look dearer than a 4-token one; the planner then never ran 1-token chains again,
+    so their cost was never measured again. A narrower pass does no more work: it costs at most the wider's."""
+    profile = Profile(target={1: 5.4, 2: 7.2, 4: 6.4, 17: 16.8}, draft={"d:chain": {1: 1.5, 3: 4.0}},
+                      outside={1: 0.5})
+    assert profile.target_ms(2) == 6.4 and profile.target_ms(3) == 6.4 and profile.target_ms(1) == 5.4
+    assert profile.target_ms(17) == 16.8 and profile.target_ms(30) == 16.8  # wider than any measured: as before
+    assert plan([Option("d", 1)], [accepting(0.55)], profile) == [(1, 1)]  # at 7.2 ms, AR
+
+
 def test_a_batchs_costs_are_kept_apart_from_one_rows():
     """Four rows of one token need not cost what one row of four does: each row count has its own curve, kept
     through a save, and a row count not yet measured is guessed from the one-row curve."""
