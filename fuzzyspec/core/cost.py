@@ -79,8 +79,8 @@ class Profile:
         """A forward of ``rows`` rows of ``width`` tokens. A row count not yet measured is guessed at what one row
         of rows x width tokens costs (until its own steps are measured). No width costs more than a wider one
         measured: a pass over fewer tokens does no more work, so where one was measured dearer, it met noise
-        (a 2-token compiled step measured once at 7.2 ms beside a 4-token one's 6.4 kept the planner off
-        1-token chains: only what it runs is measured again)."""
+        (a 2-token compiled step measured once at 7.2 ms beside a 4-token one's 6.4 priced 1-token chains
+        out, and only what the planner runs is measured again)."""
         measured = self._settled(_batch_key(rows), self.batches.get(rows, {})) if rows > 1 else {}
         if not measured:
             measured, width = self._settled(TARGET, self.target), width * rows
