@@ -182,7 +182,12 @@ def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu
     """Whether ``--weights auto`` chooses between int4 and floats for this target (by what ``fuzzyspec tune``
     measured): a llama GGUF with Q4_0/Q4_1 weights, on a CPU whose int4 kernel runs, with no --dtype given."""
     # the kernel last: asking builds it on a machine's first use
-    return _is_gguf(name) and device == "cpu" and dtype == "auto" and _has_int4_linears(name) and kernels.available()
+    return dtype == "auto" and _int4_file(name, device) and kernels.available()
+
+
+def _int4_file(name: str | None, device: str) -> bool:
+    """Whether the target is one the int4 form holds: a llama GGUF with Q4_0/Q4_1 weights, loaded on the CPU."""
+    return _is_gguf(name) and device == "cpu" and _has_int4_linears(name)
 
 
 def _is_gguf(name: str | None) -> bool:
@@ -215,8 +220,7 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
     it over the ranks of this ``torchrun`` launch with transformers' tensor-parallel plan (``core.parallel``).
     """
     tokenizer = None
-    if weights in ("auto", "int4") and dtype in ("auto", "float32") and device == "cpu" and not tp and \
-            _is_gguf(name) and _has_int4_linears(name):
+    if weights in ("auto", "int4") and dtype in ("auto", "float32") and not tp and _int4_file(name, device):
         # Likely the int4 form, which needs the kernels (built on a machine's first use) and the file's
         # tokenizer (converted on its first use): the one is built in other processes while the other converts.
         kernels.build_soon()
@@ -251,8 +255,9 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
         check_model_name(name)
         source, gguf_file = name, None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else \
-            AutoTokenizer.from_pretrained(source)
+        # (converted above where the int4 form was likely and floats serve after all: not converted again)
+        tokenizer = tokenizer or (AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else
+                                  AutoTokenizer.from_pretrained(source))
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         raise _unloadable(name, error) from error
