@@ -2,16 +2,24 @@
 
 Two model sets: (a) a random Llama of about 1B parameters in bfloat16 with a random 2-layer draft of the same
 vocabulary and a random EAGLE head (random weights accept almost nothing: the rows measure the machinery,
-and AR's share of the memory-bandwidth limit); (b) the embedded SmolLM2-135M-Instruct with its shipped drafters
-(real acceptance). Greedy, --tokens new tokens per prompt, EOS never stops a run, every configuration
-interleaved per prompt.
+and AR's share of the memory-bandwidth limit); (b) the embedded SmolLM2-135M-Instruct in bfloat16 with its
+shipped drafters (real acceptance). Prompts: the everyday set (fuzzyspec/prompts/everyday.jsonl, never trained
+on), greedy, --tokens new tokens each, EOS never stops a run; every configuration interleaved per prompt, after
+a warm-up answer of the same length that compiles the shapes a row uses (compilations left for the timed
+answers are counted and printed).
 
-Rows: HF generate (eager, dynamic cache), HF generate with its static cache compiled, our AR (eager, compiled),
-chain sd with the draft model, EAGLE-2 trees sd, chain fsd and fsd-hybrid (js, T = 0.3); for each, tokens/s, ms
-per target pass and tokens per pass, and for AR the fraction of the memory-bandwidth limit: weight bytes read per
-step over the copy bandwidth measured on this device (one step cannot be faster than reading every weight once).
+Rows: HF generate (eager, dynamic cache), HF generate with its static cache (which transformers compiles itself
+on a GPU, with CUDA graphs); our AR eager, compiled,
+and compiled with CUDA graphs (``TargetStep(graphs=...)``); chain sd with the draft model; EAGLE-2 trees sd at
+a constant size; the default job (cost-planned EAGLE-2 trees, lossless); chain fsd and fsd-hybrid (js, T = 0.3).
+Drafting rows run on the CUDA-graph step. For each: tokens/s, ms per target pass, tokens per pass; for AR the
+fraction of the memory-bandwidth limit (weight bytes read per step over the copy bandwidth measured on this
+device: a step cannot be faster than reading every weight once); and, for the drafting rows, the acceptance
+step's share of decoding time, timed with a device sync on each side of it in a separate answer.
 
-Usage: python benchmarks/bench_gpu.py [--sets random,embedded] [--prompts 4] [--tokens 128] [--device cuda]
+A row that fails prints its error and is dropped; the others go on.
+
+Usage: python benchmarks/bench_gpu.py [--sets random,embedded] [--prompts 4] [--tokens 128] [--json PATH]
        python benchmarks/bench_gpu.py --device cpu --tiny --tokens 8      (a smoke test of the script itself)
 """
 from __future__ import annotations
@@ -19,13 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from bench_step import everyday
 from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
+from fuzzyspec.core import engine as engine_module
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.draftlm import DraftLM
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits
@@ -34,8 +46,20 @@ from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.registry import DrafterSource
 from fuzzyspec.loading import embedded_folder
 
-PROMPTS = ["Explain how a bicycle stays upright.", "Write a short story about a lighthouse keeper.",
-           "What are the main causes of inflation?", "Give three tips for learning a language."]
+# label -> (step: "hf", "hf-static", "eager", "compiled", "graphs"; drafter; decoding options)
+ROWS = {
+    "HF generate, eager": ("hf", None, None),
+    "HF generate, static cache": ("hf-static", None, None),
+    "our AR, eager": ("eager", None, {"method": "ar"}),
+    "our AR, compiled": ("compiled", None, {"method": "ar"}),
+    "our AR, compiled + CUDA graphs": ("graphs", None, {"method": "ar"}),
+    "chain sd, draft model": ("graphs", "draft", {"method": "sd", "gamma_schedule": "constant"}),
+    "EAGLE-2 trees sd, constant": ("graphs", "eagle", {"method": "sd", "tree": True, "gamma_schedule": "constant"}),
+    "default job (planned EAGLE-2 trees sd)": ("graphs", "eagle", {"method": "sd", "tree": True}),
+    "chain fsd js 0.3": ("graphs", "draft", {"method": "fsd", "threshold": 0.3, "gamma_schedule": "constant"}),
+    "chain fsd-hybrid js 0.3": ("graphs", "draft", {"method": "fsd-hybrid", "threshold": 0.3,
+                                                    "gamma_schedule": "constant"}),
+}
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -57,10 +81,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_pair(device: torch.device, tiny: bool) -> ModelPair:
+def random_pair(device: torch.device, tiny: bool, tokenizer_folder: str | None) -> ModelPair:
     """A random ~1B Llama (tiny: a few layers of width 64), a random 2-layer draft of its vocabulary, and a random
-    EAGLE head; the embedded tokenizer (its vocabulary: 49,152 tokens)."""
-    tokenizer = AutoTokenizer.from_pretrained(embedded_folder())
+    EAGLE head; the embedded tokenizer (its vocabulary: 49,152 tokens), or the one in ``tokenizer_folder``."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or embedded_folder())
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2) if tiny else \
         dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -68,9 +92,10 @@ def random_pair(device: torch.device, tiny: bool) -> ModelPair:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=False, **shape)
     torch.manual_seed(0)
-    target = LlamaForCausalLM(config).to(device, dtype).eval()
-    draft = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})).to(device, dtype).eval()
-    head = EagleHead.for_target(target).to(device, dtype).eval()
+    with device:  # initialised where it runs: a 1B model's random init on the host takes a while
+        target = LlamaForCausalLM(config).to(dtype).eval()
+        draft = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})).to(dtype).eval()
+        head = EagleHead.for_target(target).to(device, dtype).eval()
     logits = head_logits(head, target)
     pair = ModelPair(target, tokenizer)
     pair.drafts = {
@@ -93,53 +118,118 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
-def run_set(name: str, pair: ModelPair, device: torch.device, prompts: int, tokens: int, bandwidth: float) -> list:
-    eager, compiled = TargetStep(pair.target), TargetStep(pair.target, compile=True)
-    rows = [("HF generate, eager", "hf", None), ("HF generate, static cache, compiled", "hf-static", None),
-            ("our AR, eager", eager, {"method": "ar"}), ("our AR, compiled", compiled, {"method": "ar"}),
-            ("chain sd, draft model", compiled, {"draft": "draft", "method": "sd"}),
-            ("EAGLE-2 trees sd", compiled, {"draft": "eagle", "method": "sd", "tree": True}),
-            ("chain fsd js 0.3", compiled, {"draft": "draft", "method": "fsd", "threshold": 0.3}),
-            ("chain fsd-hybrid js 0.3", compiled, {"draft": "draft", "method": "fsd-hybrid", "threshold": 0.3})]
-    pairs = {}
-    for label, step, options in rows:
-        if options is not None:
-            draft = pair.drafts[options["draft"]] if "draft" in options else None
-            pairs[label] = ModelPair(pair.target, pair.tokenizer, draft, step)
-    results = {label: {"seconds": 0.0, "tokens": 0, "passes": 0} for label, _, _ in rows}
-    hf_compiled = torch.compile(pair.target.forward, mode="reduce-overhead" if device.type == "cuda" else None)
-    for index in range(-1, prompts):  # index -1: warm-up (compiles)
-        ids = pair.encode(PROMPTS[max(index, 0) % len(PROMPTS)])
-        count = 8 if index < 0 else tokens
-        for label, step, options in rows[index % len(rows):] + rows[: index % len(rows)]:
+class SyncedJudge:
+    """The engine's ``judge``, timed with the device synchronised before and after: its whole cost, device
+    work included (the engine's own timing leaves the device's part of it to the step's one wait)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.seconds, self.original = device, 0.0, engine_module.judge
+
+    def __call__(self, *args, **kwargs):
+        _sync(self.device)
+        clock = time.perf_counter()
+        pending = self.original(*args, **kwargs)
+        _sync(self.device)
+        self.seconds += time.perf_counter() - clock
+        return pending
+
+    def __enter__(self) -> "SyncedJudge":
+        engine_module.judge = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        engine_module.judge = self.original
+
+
+def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str], tokens: int,
+            bandwidth: float) -> list[dict]:
+    steps = {"eager": TargetStep(pair.target), "compiled": TargetStep(pair.target, compile=True, graphs=False),
+             "graphs": TargetStep(pair.target, compile=True)}
+    compiles = {kind: 0 for kind in steps}
+    for kind, step in steps.items():
+        step.on_compile = lambda rows, width, kind=kind: compiles.__setitem__(kind, compiles[kind] + 1)
+    curve = {}
+    print(f"  [{name}] target passes (compiling) ...", flush=True)
+    for kind in ("eager", "graphs"):  # one pass of k tokens after 128 cached ones (each width a graph of its own)
+        try:
+            curve[kind] = tuning.measure_target(steps[kind], (1, 6, 17), compiled=kind != "eager")[0]
+        except Exception as error:  # the drafting rows then run on the compiled step without graphs
+            print(f"  [{name}] target pass, {kind} FAILED: {type(error).__name__}: {error}"[:400], flush=True)
+            traceback.print_exc()
+            steps[kind] = steps["compiled"]
+            continue
+        print(f"  [{name}] target pass, {kind}: " + ", ".join(f"k={k} {ms:.2f} ms" for k, ms in curve[kind].items())
+              + f" (k=6: {curve[kind][6] / curve[kind][1]:.2f}x k=1)", flush=True)
+    pairs = {label: ModelPair(pair.target, pair.tokenizer, pair.drafts[draft] if draft else None, steps[kind])
+             for label, (kind, draft, _) in ROWS.items() if kind in steps}
+    results = {label: {"seconds": 0.0, "tokens": 0, "passes": 0, "warm_s": 0.0} for label in ROWS}
+    failed: dict[str, str] = {}
+
+    def answer(label: str, ids: torch.Tensor, count: int) -> tuple[int, int]:
+        kind, _, options = ROWS[label]
+        if options is None:  # (with a static cache on a GPU, generate compiles the forward itself)
+            kwargs = {"cache_implementation": "static"} if kind == "hf-static" else {}
+            out = pair.target.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False, **kwargs)
+            return out.shape[1] - ids.shape[1], count
+        result = pairs[label].generate(ids, max_new_tokens=count, eos_token_ids=(), **options)
+        return result.stats.new_tokens, result.stats.target_forwards
+
+    def timed(label: str, ids: torch.Tensor) -> tuple[float, int, int] | None:
+        try:
             _sync(device)
             clock = time.perf_counter()
-            if options is None:
-                kwargs = {"cache_implementation": "static"} if step == "hf-static" else {}
-                forward = pair.target.forward
-                if step == "hf-static":
-                    pair.target.forward = hf_compiled
-                out = pair.target.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False, **kwargs)
-                pair.target.forward = forward
-                made, passes = out.shape[1] - ids.shape[1], count
-            else:
-                decoding = {k: v for k, v in options.items() if k != "draft"}
-                result = pairs[label].generate(ids, max_new_tokens=count, eos_token_ids=(), gamma_schedule="constant",
-                                               **decoding)
-                made, passes = result.stats.new_tokens, result.stats.target_forwards
+            made, passes = answer(label, ids, tokens)
             _sync(device)
-            if index >= 0:
-                results[label]["seconds"] += time.perf_counter() - clock
-                results[label]["tokens"] += made
-                results[label]["passes"] += passes
+            return time.perf_counter() - clock, made, passes
+        except Exception as error:  # a failing row is reported and dropped; the others go on
+            failed[label] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            print(f"  [{name}] {label} FAILED: {failed[label]}", flush=True)
+            traceback.print_exc()
+            return None
+
+    encoded = [pair.encode(prompt) for prompt in prompts]
+    print(f"  [{name}] warming up (compiling) ...", flush=True)
+    for label in ROWS:
+        took = timed(label, encoded[0])
+        if took is not None:
+            results[label]["warm_s"] = took[0]
+            print(f"  [{name}] {label}: warm-up answer {took[0]:.1f} s", flush=True)
+    warm_compiles = dict(compiles)
+    labels = [label for label in ROWS if label not in failed]
+    for index, ids in enumerate(encoded):
+        for label in labels[index % len(labels):] + labels[: index % len(labels)]:
+            if label in failed:
+                continue
+            took = timed(label, ids)
+            if took is not None:
+                total = results[label]
+                total["seconds"] += took[0]
+                total["tokens"] += took[1]
+                total["passes"] += took[2]
+        print(f"  [{name}] prompt {index + 1}/{len(encoded)} done", flush=True)
+    # the acceptance step, timed with syncs on each side of it, in one more answer per drafting row
+    accept_share = {}
+    for label, (kind, draft, options) in ROWS.items():
+        if draft is None or label in failed:
+            continue
+        with SyncedJudge(device) as judge:
+            took = timed(label, encoded[0])
+        if took is not None:
+            accept_share[label] = judge.seconds / took[0]
     limit = bandwidth / weight_bytes(pair.target)  # steps per second if a step only read the weights
     table = []
     for label, total in results.items():
-        rate = total["tokens"] / total["seconds"]
-        step_ms = 1000 * total["seconds"] / total["passes"]
-        share = (1000 / step_ms) / limit if label.startswith("our AR") else None
-        table.append({"set": name, "row": label, "tokens_per_s": rate, "ms_per_pass": step_ms,
-                      "tokens_per_pass": total["tokens"] / total["passes"], "ar_bandwidth_share": share})
+        row = {"set": name, "row": label, "error": failed.get(label), "warm_s": total["warm_s"]}
+        if total["passes"] and label not in failed:
+            step_ms = 1000 * total["seconds"] / total["passes"]
+            row.update(tokens_per_s=total["tokens"] / total["seconds"], ms_per_pass=step_ms,
+                       tokens_per_pass=total["tokens"] / total["passes"],
+                       ar_bandwidth_share=(1000 / step_ms) / limit if ROWS[label][2] == {"method": "ar"} else None,
+                       accept_share=accept_share.get(label))
+        table.append(row)
+    table.append({"set": name, "row": "target pass ms by width", "curve": curve})
+    timed_compiles = {kind: compiles[kind] - warm_compiles[kind] for kind in compiles}
+    print(f"  [{name}] compilations: warm-up {warm_compiles}, timed answers {timed_compiles}", flush=True)
     return table
 
 
@@ -150,26 +240,51 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny random target: checks the script, measures nothing")
+    parser.add_argument("--rows", default=None, help="row labels separated by ';' (default: every row)")
+    parser.add_argument("--tokenizer", default=None, help="the random set's tokenizer folder (default: the embedded one)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.rows:
+        for label in list(ROWS):
+            if label not in args.rows.split(";"):
+                del ROWS[label]
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device)
-    print(f"fuzzyspec bench_gpu: {tuning.machine(args.device)}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
-          f"{args.prompts} prompts x {args.tokens} tokens, greedy; {time.strftime('%Y-%m-%d')}")
+    header = (f"fuzzyspec bench_gpu: {tuning.machine(args.device)}, transformers {transformers.__version__}; "
+              f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.prompts} everyday prompts x {args.tokens} tokens, "
+              f"greedy; {time.strftime('%Y-%m-%d')}")
+    print(header, flush=True)
+    prompts = [prompt for _, prompt in everyday(args.prompts)]
     table = []
     for name in args.sets.split(","):
-        pair = random_pair(device, args.tiny) if name == "random" else embedded_pair(device)
+        clock = time.perf_counter()
+        pair = random_pair(device, args.tiny, args.tokenizer) if name == "random" else embedded_pair(device)
         print(f"\n{name}: target {sum(p.numel() for p in pair.target.parameters()) / 1e6:.0f} M parameters, "
-              f"{weight_bytes(pair.target) / 1e9:.2f} GB read per step")
-        rows = run_set(name, pair, device, args.prompts, args.tokens, bandwidth)
+              f"{weight_bytes(pair.target) / 1e9:.2f} GB read per step, {pair.target.dtype}; loaded in "
+              f"{time.perf_counter() - clock:.0f} s", flush=True)
+        rows = run_set(name, pair, device, prompts, args.tokens, bandwidth)
+        ar = {row["row"]: row.get("tokens_per_s") for row in rows}
+        best_ar = max((rate for label, rate in ar.items() if label.startswith("our AR") and rate), default=None)
         for row in rows:
-            share = f"  {100 * row['ar_bandwidth_share']:.0f}% of the bandwidth limit" \
+            if row.get("error"):
+                print(f"  {row['row']:<42} failed: {row['error']}")
+                continue
+            if "tokens_per_s" not in row:  # (the curve, printed above)
+                continue
+            extra = f"  {100 * row['ar_bandwidth_share']:.0f}% of the bandwidth limit" \
                 if row["ar_bandwidth_share"] is not None else ""
-            print(f"  {row['row']:<40} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_pass']:7.2f} ms/pass  "
-                  f"{row['tokens_per_pass']:5.2f} tok/pass{share}")
+            if row["accept_share"] is not None:
+                extra += f"  acceptance step {100 * row['accept_share']:.1f}% (synced)"
+            ratio = f"{row['tokens_per_s'] / best_ar:5.2f}x" if best_ar else ""
+            print(f"  {row['row']:<42} {row['tokens_per_s']:8.1f} tok/s {ratio} of our best AR  "
+                  f"{row['ms_per_pass']:7.2f} ms/pass  {row['tokens_per_pass']:5.2f} tok/pass  "
+                  f"warm-up {row['warm_s']:5.1f} s{extra}", flush=True)
         table += rows
-    if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
+        del pair
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.json:  # after each set: a later set's failure keeps the earlier numbers
+            Path(args.json).write_text(json.dumps({"header": header, "rows": table}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

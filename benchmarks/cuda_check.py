@@ -3,8 +3,10 @@
 1. Correctness on CUDA with tiny random Llamas: greedy SD equals HF greedy
    generate; AR equals HF; FSD-hybrid at T = 0 equals SD under one seed; FSD at
    T = inf equals the draft decoding alone; seeded sampling is reproducible.
-2. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
-3. Loop overhead on the GPU: our AR against HF ``generate`` on a ~1B-parameter
+2. Compiled steps captured as CUDA graphs equal eager steps token for token (AR, chains, EAGLE trees; one
+   row and two rows together; a longer row joining midway, so that the cache grows under the graphs).
+3. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
+4. Loop overhead on the GPU: our AR against HF ``generate`` on a ~1B-parameter
    random Llama in bfloat16 (random weights: only speed is meaningful here).
 
 Usage: python benchmarks/cuda_check.py
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +26,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fuzzyspec import DecodeConfig, ModelDrafter, ModelPair, Sampling, decode  # noqa: E402
+from fuzzyspec.core.engine import Engine, decode_batch  # noqa: E402
+from fuzzyspec.core.step import TargetStep  # noqa: E402
+from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
+from fuzzyspec.drafters.eagle_head import EagleHead  # noqa: E402
 
-DEVICE = "cuda"
+DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"  # "cpu": a smoke test of the script itself
 failures: list[str] = []
 
 
@@ -40,7 +47,8 @@ def llama(vocab: int, hidden: int, layers: int, seed: int, dtype=torch.float32) 
                          hidden * 4, num_hidden_layers=layers, num_attention_heads=max(4, hidden // 64),
                          num_key_value_heads=max(2, hidden // 256), max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config).to(DEVICE, dtype).eval()
+    with torch.device(DEVICE):  # a 1B model's random init on the host takes a while
+        model = LlamaForCausalLM(config).to(dtype).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20 if hidden < 512 else 1)
     return model
@@ -85,6 +93,44 @@ def correctness() -> None:
         check(f"fsd T=inf == draft alone (temperature {temperature})", fuzzy == alone and stats.target_forwards == 0)
 
 
+def compiled() -> None:
+    """Compiled steps captured as CUDA graphs give the eager steps' tokens (float32): AR, chains and EAGLE trees,
+    one row and two rows of different lengths decoded together, and a longer row joining midway (the cache grows)."""
+    target = llama(256, 64, 2, seed=0)
+    draft = llama(256, 64, 1, seed=3)
+    head = EagleHead.for_target(target).to(DEVICE).eval()
+    logits = head_logits(head, target)
+    eager, graphs = TargetStep(target), TargetStep(target, compile=True)
+    if DEVICE != "cpu":
+        check("a compiled CUDA step is captured as CUDA graphs", graphs.graphs)
+    prompts = [torch.tensor([list(range(3, 12))], device=DEVICE), torch.tensor([[7, 1]], device=DEVICE)]
+    cases = {"ar": (None, dict(method="ar")), "chain sd": ("draft", dict(method="sd", gamma=4)),
+             "eagle trees sd": ("eagle", dict(method="sd", tree=True, tree_total_tokens=12, tree_depth=4)),
+             "chain fsd-hybrid": ("draft", dict(method="fsd-hybrid", threshold=0.3, gamma=3))}
+    for name, (kind, options) in cases.items():
+        config = DecodeConfig(max_new_tokens=300, gamma_schedule="constant", **options)  # past the first capacity
+
+        def drafter():
+            if kind is None:
+                return None
+            return ModelDrafter(draft, 256) if kind == "draft" else EagleDrafter(head, target, 256, logits)
+        runs = {}
+        for label, step in (("eager", eager), ("graphs", graphs)):
+            alone = [decode(step, drafter(), ids, config, 256)[0][0].tolist() for ids in prompts]
+            batch = [tokens for tokens, _ in decode_batch(step, prompts, [config] * 2, [drafter(), drafter()], 256)]
+            # a row joining midway with a longer answer: the cache grows (new tensors) under running graphs
+            engine = Engine(step, 256)
+            first = engine.add(prompts[0], replace(config, max_new_tokens=40), drafter())
+            for _ in range(5):
+                engine.step()
+            second = engine.add(prompts[1], replace(config, max_new_tokens=600), drafter())
+            while engine.rows:
+                engine.step()
+            runs[label] = (alone, batch, [first.tokens, second.tokens])
+        check(f"{name}: compiled with CUDA graphs == eager (alone, batched, joining)", runs["graphs"] == runs["eager"])
+        check(f"{name}: batched == alone", runs["eager"][0] == runs["eager"][1])
+
+
 def loading() -> None:
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(255)} | {"<unk>": 255}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -123,9 +169,11 @@ def overhead() -> None:
 
 
 if __name__ == "__main__":
-    print(torch.__version__, torch.cuda.get_device_name(0))
+    print(torch.__version__, torch.cuda.get_device_name(0) if DEVICE != "cpu" else "cpu")
     correctness()
-    loading()
-    overhead()
+    compiled()
+    if DEVICE != "cpu":
+        loading()
+        overhead()
     print("all CUDA checks passed" if not failures else f"{len(failures)} CUDA checks FAILED")
     sys.exit(1 if failures else 0)

@@ -37,8 +37,8 @@ class StaticCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (slots, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
+        self.values = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
         self.lengths = [0] * slots
 
     @classmethod
@@ -76,7 +76,7 @@ class StaticCache:
             for i, old in enumerate(tensors):
                 new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
                 new[: old.shape[0], :, : old.shape[2]] = old
-                tensors[i] = new
+                tensors[i] = _static(new)
         self.lengths += [0] * (slots - len(self.lengths))
 
     def keep(self, slot: int, start: int, columns: list[int]) -> None:
@@ -88,6 +88,14 @@ class StaticCache:
         target = slice(start, start + len(columns))
         for tensor in (*self.keys, *self.values):
             tensor[slot, :, target] = tensor[slot, :, source]
+
+
+def _static(tensor: Tensor) -> Tensor:
+    """``tensor``, marked as keeping its address: CUDA graphs (``core.step``) then write into it in place,
+    where they would refuse to capture a step that changes one of its inputs."""
+    if tensor.device.type == "cuda":
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
 
 
 def write_positions(starts: Tensor, width: int) -> Tensor:

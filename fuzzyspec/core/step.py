@@ -214,22 +214,30 @@ def make_forward(model: nn.Module, own: bool = True) -> nn.Module:
 
 
 WIDTHS = (1, 2, 4, 6, 8, 12, 17, 24, 32, 48, 64)  # compiled widths: 1 (AR), gamma + 1 and tree sizes + 1 fit
+# On a GPU a pass of a few tokens reads the same weights as one of a single token and costs about as much, so
+# padding is cheap there, and every width is one more graph to compile and capture: fewer, coarser widths.
+GPU_WIDTHS = (1, 6, 17, 32, 64)
 
 
 class TargetStep:
     """The target and how its steps run: the forward (``make_forward``), eager, or compiled at a few fixed
     shapes (``compile``): a width is padded up to the next of ``widths`` and the rows to a power of two,
-    so a handful of graphs serve every step. Prefills (prompts of any length) always run eagerly."""
+    so a handful of graphs serve every step. Prefills (prompts of any length) always run eagerly.
+
+    On a GPU a compiled step is also captured as CUDA graphs (``graphs``; inductor's "reduce-overhead"):
+    a small model's step is otherwise bound by launching its hundreds of kernels one by one from Python."""
 
     def __init__(self, model: nn.Module, compile: bool = False, own: bool = True,
-                 widths: tuple[int, ...] = WIDTHS) -> None:
+                 widths: tuple[int, ...] | None = None, graphs: bool = True) -> None:
         self.model = model
         self.forward = make_forward(model, own)
         self.layer_count = model.config.num_hidden_layers
         self.shards = shards(model)
         if compile and self.shards > 1:
             raise ValueError("compiled steps of a tensor-parallel target are not supported yet: use --no-compile")
-        self.compile, self.widths = compile, widths
+        on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
+        self.compile, self.widths = compile, widths or (GPU_WIDTHS if on_gpu else WIDTHS)
+        self.graphs = compile and graphs and on_gpu
         self._compiled: nn.Module | None = None
         self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
         self._calls: set[tuple] = set()  # what told the compiled calls so far apart (see __call__)
@@ -271,6 +279,8 @@ class TargetStep:
         # already run checks only the guards that tell the graphs apart. Where those find no graph (something
         # ``call`` does not hold changed), dynamo refuses rather than guess, and the call runs fully checked.
         arguments = (cache, tokens, positions, write, mask, slots, keep, self._every_layer)
+        if self.graphs:  # each call is a new run of the graphs: what the last one returned is no longer read
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=seen):
                 logits, found = self._compiled_forward()(*arguments)
@@ -279,6 +289,8 @@ class TargetStep:
                 raise
             self.compiling = True
             logits, found = self._compiled_forward()(*arguments)
+        if self.graphs:  # a replay's outputs live in the graphs' memory, which the next replay overwrites
+            return logits.clone(), {i: found[i].clone() for i in features}
         return logits, {i: found[i] for i in features}
 
     def _compiled_forward(self) -> nn.Module:
@@ -286,13 +298,16 @@ class TargetStep:
             import torch._dynamo.config as dynamo
             import torch._inductor.config as inductor
 
-            # Frozen weights are constants to inductor: on the CPU it prepacks them for its GEMM kernels.
-            inductor.freezing = True
+            # Frozen weights are constants to inductor: on the CPU it prepacks them for its GEMM kernels (on a
+            # GPU it gains nothing there and copies every weight while compiling).
+            if self.model.get_input_embeddings().weight.device.type == "cpu":
+                inductor.freezing = True
             # One graph per (rows, width, cache size) and per model: dynamo's default of 8 graphs a function
             # would silently run later shapes eagerly (measured: a second model's widths 6 and 17 ran eager).
             dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
-            self._compiled = torch.compile(self.forward, dynamic=False)
+            # (the cache's tensors are marked static, ``kvcache.StaticCache``: graphs write into them in place)
+            self._compiled = torch.compile(self.forward, dynamic=False, mode="reduce-overhead" if self.graphs else None)
         return self._compiled
 
 
