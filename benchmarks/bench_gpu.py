@@ -10,7 +10,8 @@ answers are counted and printed).
 
 Rows: HF generate (eager, dynamic cache), HF generate with its static cache (which transformers compiles itself
 on a GPU, with CUDA graphs); our AR eager, compiled,
-and compiled with CUDA graphs (``TargetStep(graphs=...)``); chain sd with the draft model; EAGLE-2 trees sd at
+and compiled with CUDA graphs (``TargetStep(graphs=...)``), the last also with the q, k, v (gate, up)
+products apart, as before they were fused; chain sd with the draft model; EAGLE-2 trees sd at
 a constant size; the default job (cost-planned EAGLE-2 trees, lossless); chain fsd and fsd-hybrid (js, T = 0.3).
 Drafting rows run on the CUDA-graph step. For each: tokens/s, ms per target pass, tokens per pass; for AR the
 fraction of the memory-bandwidth limit (weight bytes read per step over the copy bandwidth measured on this
@@ -46,13 +47,16 @@ from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.registry import DrafterSource
 from fuzzyspec.loading import embedded_folder
 
-# label -> (step: "hf", "hf-static", "eager", "compiled", "graphs"; drafter; decoding options)
+# label -> (step: "hf", "hf-static", "eager", "compiled", "graphs", "apart"; drafter; decoding options); "apart":
+# graphs with q, k, v (gate, up) as separate products, as before ``step.fuse_float_projections``
+
 ROWS = {
     "HF generate, eager": ("hf", None, None),
     "HF generate, static cache": ("hf-static", None, None),
     "our AR, eager": ("eager", None, {"method": "ar"}),
     "our AR, compiled": ("compiled", None, {"method": "ar"}),
     "our AR, compiled + CUDA graphs": ("graphs", None, {"method": "ar"}),
+    "our AR, graphs, projections apart": ("apart", None, {"method": "ar"}),
     "chain sd, draft model": ("graphs", "draft", {"method": "sd", "gamma_schedule": "constant"}),
     "EAGLE-2 trees sd, constant": ("graphs", "eagle", {"method": "sd", "tree": True, "gamma_schedule": "constant"}),
     "default job (planned EAGLE-2 trees sd)": ("graphs", "eagle", {"method": "sd", "tree": True}),
@@ -111,10 +115,13 @@ def embedded_pair(device: torch.device) -> ModelPair:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decoding step reads: every parameter and buffer once (the embedding's rows aside: one row)."""
-    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    """Bytes a decoding step reads: every parameter and buffer once (views of a fused weight counted with it;
+    the embedding's rows aside: one row)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
     embedding = model.get_input_embeddings().weight
     tied = embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    total = sum(storages.values())
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
@@ -144,7 +151,10 @@ class SyncedJudge:
 def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str], tokens: int,
             bandwidth: float) -> list[dict]:
     steps = {"eager": TargetStep(pair.target), "compiled": TargetStep(pair.target, compile=True, graphs=False),
-             "graphs": TargetStep(pair.target, compile=True)}
+             "graphs": TargetStep(pair.target, compile=True), "apart": TargetStep(pair.target, compile=True)}
+    forward = steps["apart"].forward
+    if hasattr(forward, "qkv"):
+        forward.qkv, forward.gate_up = [None] * len(forward.qkv), [None] * len(forward.gate_up)
     compiles = {kind: 0 for kind in steps}
     for kind, step in steps.items():
         step.on_compile = lambda rows, width, kind=kind: compiles.__setitem__(kind, compiles[kind] + 1)
@@ -259,7 +269,9 @@ def main() -> None:
     for name in args.sets.split(","):
         clock = time.perf_counter()
         pair = random_pair(device, args.tiny, args.tokenizer) if name == "random" else embedded_pair(device)
-        print(f"\n{name}: target {sum(p.numel() for p in pair.target.parameters()) / 1e6:.0f} M parameters, "
+        held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() // p.element_size()
+                for p in pair.target.parameters()}  # (views of a fused weight counted once)
+        print(f"\n{name}: target {sum(held.values()) / 1e6:.0f} M parameters, "
               f"{weight_bytes(pair.target) / 1e9:.2f} GB read per step, {pair.target.dtype}; loaded in "
               f"{time.perf_counter() - clock:.0f} s", flush=True)
         rows = run_set(name, pair, device, prompts, args.tokens, bandwidth)

@@ -42,6 +42,8 @@ class LlamaForward(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
+        if model.get_input_embeddings().weight.device.type == "cuda":
+            fuse_float_projections(model)
         config = model.config
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -130,6 +132,30 @@ class LlamaForward(nn.Module):
         if self.layer_count in features:
             found[self.layer_count] = h
         return self.lm_head(h[:, -keep:] if keep else h), found
+
+
+def fuse_float_projections(model: nn.Module) -> None:
+    """Give every decoder layer of a Llama-family ``model`` whose q, k and v (gate and up) are plain float layers
+    without biases one product for them, ``self_attn.qkv_proj`` (``mlp.gate_up_proj``), which ``LlamaForward``
+    calls instead, as ``int4.fuse_projections`` does for int4 layers. Done on a GPU, where a small model's step
+    is bound by how many kernels it runs rather than by the bytes they read. The separate layers keep working
+    (transformers' own forward calls them) on views of the fused weight, so the weights are held once. Layers
+    fused already are left as they are."""
+    for layer in model.get_decoder().layers:
+        for owner, parts, name in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                   (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
+            linears = [getattr(owner, part, None) for part in parts]
+            if hasattr(owner, name) or not all(type(m) is nn.Linear and m.bias is None for m in linears):
+                continue
+            trained = linears[0].weight.requires_grad
+            weight = torch.cat([m.weight.detach() for m in linears])
+            fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            fused.weight = nn.Parameter(weight, requires_grad=trained)
+            start = 0
+            for m in linears:
+                m.weight = nn.Parameter(weight[start: start + m.out_features], requires_grad=trained)
+                start += m.out_features
+            setattr(owner, name, fused)
 
 
 class _PositionedLayer(CacheLayerMixin):

@@ -4,7 +4,7 @@ import torch
 
 from conftest import run_step as run, tiny_llama
 from fuzzyspec.core.kvcache import StaticCache, chain_tree
-from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep
+from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep, fuse_float_projections
 
 
 def plain(model, tokens):
@@ -48,6 +48,27 @@ def test_a_tree_pass_and_keeping_a_path_equal_plain_forwards(target, own):
         after, _ = run(step, cache, [[20]])
     torch.testing.assert_close(after[0, -1], plain(target, [3, 9, 4, 6, 11, 13, 20]).logits[0, -1],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_fused_float_projections_compute_the_same_and_hold_the_weights_once():
+    model = tiny_llama(seed=6)
+    tokens = [3, 9, 4, 4, 8]
+    before = plain(model, tokens).logits
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    fuse_float_projections(model)
+    fuse_float_projections(model)  # fused already: left as it is
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attention.qkv_proj.out_features == attention.q_proj.out_features + 2 * attention.k_proj.out_features
+    assert attention.v_proj.weight.untyped_storage().data_ptr() == attention.qkv_proj.weight.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_proj.weight.untyped_storage().data_ptr()
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) < len(storages)
+    torch.testing.assert_close(plain(model, tokens).logits, before, rtol=0, atol=0)  # transformers' forward
+    step = TargetStep(model)
+    assert step.forward.qkv[0] is attention.qkv_proj and step.forward.gate_up[0] is mlp.gate_up_proj
+    cache = StaticCache.for_model(model.config, 1, 16, torch.float32, "cpu")
+    with torch.inference_mode():
+        logits, _ = run(step, cache, [tokens])
+    torch.testing.assert_close(logits[0], before[0], rtol=1e-4, atol=1e-4)
 
 
 def test_eager_attention_takes_the_mask_as_scores():
