@@ -140,7 +140,9 @@ class EagleDrafter(BaseDrafter):
         parents: list[int] = []
         scores: list[float] = []  # log confidence of each node
         depths: list[int] = []
-        node_q: dict[int, tuple[Tensor, Tensor]] = {}  # expanded node -> (its logits, its q)
+        # every head pass's logits and q, stacked at the end: row 0 the root's, then each level's expanded nodes
+        level_logits, level_q = [root_logits[None]], [root_q[None]]
+        row_of: dict[int, int] = {}  # expanded node -> its row in those
 
         def add_children(expanded: list[int], probs: Tensor, depth: int) -> list[int]:
             """The ``top_k`` children of every expanded node (probs [len(expanded), N]), read from the device in
@@ -186,9 +188,12 @@ class EagleDrafter(BaseDrafter):
             in_cache += expand
             logits = self._logits(hidden[0])
             probs = sampling.probs(logits)
+            offset = sum(map(len, level_q))
             for row, node in enumerate(expand):
                 hidden_of[node] = hidden[0, row]
-                node_q[node] = (logits[row], probs[row])
+                row_of[node] = offset + row
+            level_logits.append(logits)
+            level_q.append(probs)
             frontier = add_children(expand, probs, level)
         crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
 
@@ -201,12 +206,12 @@ class EagleDrafter(BaseDrafter):
         order = sorted(kept_set, key=lambda node: (depths[node], -scores[node]))
         new_index = {node: i for i, node in enumerate(order)}
         device = sequence.device
-        q = torch.zeros(len(order) + 1, root_q.shape[-1], device=root_q.device)
-        logits = torch.zeros_like(q)
-        q[0], logits[0] = root_q, root_logits
-        for node in order:
-            if node in node_q:
-                logits[new_index[node] + 1], q[new_index[node] + 1] = node_q[node]
+        # each kept node's row (a leaf's: zeros, after the last level), gathered at once rather than copied one by one
+        blank = sum(map(len, level_q))
+        rows = upload([0] + [row_of.get(node, blank) for node in order], root_q.device)
+        zeros = root_q.new_zeros(1, root_q.shape[-1])
+        q = torch.cat([*level_q, zeros]).float().index_select(0, rows)
+        logits = torch.cat([*level_logits, zeros]).float().index_select(0, rows)
         return Draft(upload([tokens[node] for node in order], device),
                      torch.tensor([new_index.get(parents[node], -1) for node in order]),
                      q, logits, self.vocab, sampled=False)
