@@ -185,9 +185,7 @@ class Engine:
             capacity = MIN_CAPACITY
             while capacity < length:
                 capacity *= 2
-            config = self.target.config
-            dtype = self.target.get_input_embeddings().weight.dtype
-            self.cache = StaticCache.for_model(config, slots, capacity, dtype, self.device, self.shards)
+            self.cache = self.step_fn.borrow_cache(slots, capacity)
             return
         capacity = self.cache.capacity
         while capacity < length:
@@ -258,6 +256,9 @@ class Engine:
             self.cache.lengths[row.slot] = 0
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
+        if not self.slots:  # nothing left to decode: the cache goes back to the step, for the next engine
+            self.step_fn.give_back(self.cache)
+            self.cache = None
         return finished
 
     def _price(self, rows: int, proposals: dict[int, tuple[str, int]], proposal_ms: dict[int, float],

@@ -62,6 +62,14 @@ class StaticCache:
     def device(self) -> torch.device:
         return self.keys[0].device
 
+    def clear(self) -> None:
+        """Empty every slot, in place (the tensors keep their addresses). Zeroed too, so that nothing a
+        former row left (not even a NaN) can reach a masked-out product."""
+        with torch.inference_mode():  # (the engine makes its caches in inference mode)
+            for tensor in (*self.keys, *self.values):
+                tensor.zero_()
+        self.lengths = [0] * self.slots
+
     def fits(self, width: int, rows: int | None = None) -> bool:
         """Whether each of the first ``rows`` slots can take ``width`` more positions."""
         return max(self.lengths[:rows] if rows else self.lengths, default=0) + width <= self.capacity

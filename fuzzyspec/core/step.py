@@ -21,6 +21,7 @@ of the asked features [B, k, H].
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -271,6 +272,25 @@ class TargetStep:
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
         self.compiling = False  # whether the last call may have compiled (its time then is not a step's cost)
         self.profile = Profile()  # what its steps (and its drafters') cost here, measured as they run
+        self._spare: StaticCache | None = None  # the cache the last engine gave back (``borrow_cache``)
+        self._lending = threading.Lock()
+
+    def borrow_cache(self, slots: int, capacity: int) -> StaticCache:
+        """An empty cache of ``slots`` rows of ``capacity`` positions for one engine: the one the last engine gave
+        back (``give_back``) where it has that shape, else a new one. So one answer after another runs over the
+        same tensors, which CUDA graphs are captured over: a new cache for each answer would capture them anew."""
+        with self._lending:
+            spare, self._spare = self._spare, None
+        if spare is not None and (spare.slots, spare.capacity) == (slots, capacity):
+            spare.clear()
+            return spare
+        weight = self.model.get_input_embeddings().weight
+        return StaticCache.for_model(self.model.config, slots, capacity, weight.dtype, weight.device, self.shards)
+
+    def give_back(self, cache: StaticCache) -> None:
+        """``cache``, no longer used by the engine that borrowed it, for the next one."""
+        with self._lending:
+            self._spare = cache
 
     def shape(self, width: int, rows: int) -> tuple[int, int]:
         """The (width, rows) a step of this many tokens per row and rows runs at."""

@@ -206,3 +206,23 @@ def test_raw_divergence_ignores_processing(target, draft):
 def test_bad_config_is_rejected(bad):
     with pytest.raises(ValueError):
         DecodeConfig(**bad)
+
+
+def test_answers_one_after_another_reuse_the_steps_cache(target, draft):
+    """An engine gives its cache back when its last row finishes, and the next engine on the same step takes it
+    (emptied) where it needs that shape: CUDA graphs are captured over the cache's tensors, so a new cache for
+    every answer would capture them anew. Two engines at once never share one."""
+    step = TargetStep(target)
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=20)
+    prompt = torch.tensor([PROMPTS[0]])
+    first, _ = decode(step, ModelDrafter(draft, V), prompt, config, V)
+    lent = step.borrow_cache(1, 256)
+    step.give_back(lent)
+    again, _ = decode(step, ModelDrafter(draft, V), prompt, config, V)
+    assert again.tolist() == first.tolist() == [run(target, draft, PROMPTS[0], method="sd", gamma=3,
+                                                    max_new_tokens=20)[0]]
+    assert step.borrow_cache(1, 256) is lent and lent.lengths == [0]  # given back again by the second answer
+    assert all(not bool(tensor.any()) for tensor in (*lent.keys, *lent.values))  # emptied for the next
+    assert step.borrow_cache(1, 256) is not lent  # lent out already: another engine gets its own
+    step.give_back(lent)
+    assert step.borrow_cache(1, 512) is not lent  # another shape: a new cache, as before
