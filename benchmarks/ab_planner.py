@@ -3,7 +3,8 @@ fixed 1-token chain, every variant decoding every prompt in turn (interleaved, t
 with its own copy of the cost profile (measured as it runs, from the same start).
 
 A variant is ``ar``, ``chain1`` (every step a 1-token EAGLE chain), or ``+``-joined changes to the planner as
-shipped: ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
+shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``chains``
+(chains only, no trees), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
 0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26). The planner before that day is
 ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
@@ -28,9 +29,11 @@ from bench_step import everyday  # noqa: E402 (this folder's module)
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
-from fuzzyspec.core import cost  # noqa: E402
+from fuzzyspec.core import cost, int4  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
+from fuzzyspec.drafters.eagle import EagleDrafter  # noqa: E402
+from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
 SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold")}
@@ -51,8 +54,13 @@ def apply(variant: str) -> dict:
         return {"method": "ar"}
     if variant == "chain1":
         return {"tree": False, "gamma": 1, "gamma_schedule": "constant", "method": "sd"}
+    options = {}
     for part in variant.split("+"):
-        if part == "meanfold":
+        if part == "q8rows":
+            continue  # (its own job: see main)
+        if part == "chains":
+            options["tree"] = False
+        elif part == "meanfold":
             cost._fold = mean_fold
         elif part.startswith("w") and "m" in part:
             cost.PRIOR_WEIGHT = float(part[1: part.index("m")])
@@ -63,7 +71,7 @@ def apply(variant: str) -> dict:
             cost.PRIOR_WIDER = float("0." + part[1:])
         elif part != "default":
             raise SystemExit(f"unknown variant part {part!r}")
-    return {}
+    return options
 
 
 def main() -> None:
@@ -80,7 +88,20 @@ def main() -> None:
         raise SystemExit("--variants must include ar (the ratios are to it)")
     pair = ModelPair.load(draft=None, weights=args.form)
     step = TargetStep(pair.target, compile=args.mode == "compiled")
-    job = ModelPair(pair.target, pair.tokenizer, pair.with_drafter("default").draft, step, None)
+    source = pair.with_drafter("default").draft
+    job = ModelPair(pair.target, pair.tokenizer, source, step, None)
+    jobs = {variant: job for variant in variants}
+    if any("q8rows" in variant.split("+") for variant in variants):
+        # the default job, its drafter reading its LM head rows at 8 bits, as before 2026-11-26 (4 bits since)
+        head, lm_head = source.module, pair.target.get_output_embeddings()
+        rows = lm_head.rows(head.vocab.target_ids) if isinstance(lm_head, int4.Int8Linear) else None
+        if rows is None:
+            raise SystemExit("q8rows needs the int4 form (an 8-bit LM head)")
+        q8 = DrafterSource(source.name, head, lambda v: EagleDrafter(head, pair.target, v, lambda out: rows(out).float()),
+                           drafts_trees=True)
+        for variant in variants:
+            if "q8rows" in variant.split("+"):
+                jobs[variant] = ModelPair(pair.target, pair.tokenizer, q8, step, None)
     prompts = everyday(args.prompts)
     if step.compile:
         tuning.prepare(job, job.config(**COMMON), (256, 512))
@@ -88,14 +109,14 @@ def main() -> None:
     profiles = {variant: Profile.from_dict(start) for variant in variants}
     for variant in variants:  # warm: each variant's first steps measure its profile's new sizes
         options, step.profile = apply(variant), profiles[variant]
-        job.generate(job.encode(prompts[0][1]), **(COMMON | options))
+        jobs[variant].generate(job.encode(prompts[0][1]), **(COMMON | options))
     totals = {v: {"seconds": 0.0, "tokens": 0, "passes": 0, "drafted": 0, "by_category": {}} for v in variants}
     for index, (category, prompt) in enumerate(prompts):
         ids = job.encode(prompt)
         for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
             options, step.profile = apply(variant), profiles[variant]
             clock = time.perf_counter()
-            stats = job.generate(ids, **(COMMON | options)).stats
+            stats = jobs[variant].generate(ids, **(COMMON | options)).stats
             seconds = time.perf_counter() - clock
             total = totals[variant]
             total["seconds"] += seconds

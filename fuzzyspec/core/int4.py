@@ -116,6 +116,17 @@ class Int4Linear(nn.Module):
         blocks = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, GROUP // 2)
         return cls((blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1), scales, minimums)
 
+    @classmethod
+    def rounded(cls, weight: Tensor) -> "Int4Linear":
+        """A float weight [N, K] rounded to Q4_1 as llama.cpp rounds it: per block of 32 inputs, minimum = the
+        block's least weight and scale = its range / 15 (both float16), q = round((w - minimum) / scale)."""
+        blocks = weight.detach().float().reshape(weight.shape[0], -1, GROUP)
+        minimums = blocks.amin(-1).half()
+        scales = ((blocks.amax(-1) - minimums.float()) / 15).half()
+        inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(scales, dtype=torch.float32))
+        codes = ((blocks - minimums.float()[..., None]) * inverse[..., None]).round().clamp(0, 15)
+        return cls.from_codes(codes.to(torch.int32).reshape(weight.shape), scales, minimums)
+
     def forward(self, x: Tensor) -> Tensor:
         y = torch.ops.fuzzyspec_int4.mm_q4(x, self.packed)
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]

@@ -112,12 +112,15 @@ def most_frequent(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> 
 
 
 def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab) -> nn.Module:
-    """A frozen copy of ``lm_head``'s rows for the draft vocabulary's tokens: logits over N, not V (in the
-    head's own form: an 8-bit head of a GGUF target gives 8-bit rows)."""
-    from .int4 import Int8Linear
+    """A frozen copy of ``lm_head``'s rows for the draft vocabulary's tokens: logits over N, not V. A float head
+    gives float rows; an 8-bit head (a GGUF target's) gives 4-bit rows (Q4_1, rounded from its 8-bit ones). A
+    draft's logits need not be exact, and these rows are read from memory after every target pass, where their
+    bytes are most of what a draft step costs (on an AVX-512 CPU, 16,384 rows: 193 us cold in 4 bits, 382 in 8;
+    the default job 1-4% faster, accepting as much: benchmarks/results_planner_ab_epyc.txt, 2026-11-26)."""
+    from .int4 import Int4Linear, Int8Linear
 
     if isinstance(lm_head, Int8Linear):
-        return lm_head.rows(vocab.target_ids.to(lm_head.weight.device))
+        return Int4Linear.rounded(lm_head.rows(vocab.target_ids.to(lm_head.weight.device)).weight)
     weight = lm_head.weight
     head = nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
     head.weight.data.copy_(weight.detach().index_select(0, vocab.target_ids.to(weight.device)))

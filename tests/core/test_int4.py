@@ -13,16 +13,6 @@ from fuzzyspec.drafters.model import ModelDrafter
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable()}")
 
 
-def quantize(weight: torch.Tensor) -> Int4Linear:
-    """Round a float weight to the int4 grid (per block of 32 inputs: a scale and a minimum), as Q4_1 does."""
-    out_features, in_features = weight.shape
-    groups = weight.reshape(out_features, in_features // GROUP, GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scales = ((high - low) / 15).clamp_min(1e-8)
-    codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32)
-    return Int4Linear.from_codes(codes.reshape(out_features, in_features), scales, low)
-
-
 def rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """How far x @ W.T may move when each block of 32 activations is rounded to 8 bits, as the kernel does:
     each activation by at most half its block's step, max|x| / 127 / 2 (plus float32 rounding)."""
@@ -90,7 +80,7 @@ def int4_model(seed: int, fused: bool = False, hidden: int = 32) -> torch.nn.Mod
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, quantize(child.weight.data))
+                    setattr(parent, name, Int4Linear.rounded(child.weight.data))
     if fused:
         int4.fuse_projections(model)
     return model
@@ -130,7 +120,7 @@ def test_a_verification_scores_each_node_exactly_as_a_one_token_step(compile):
     from fuzzyspec.core.kvcache import StaticCache
 
     model = int4_model(seed=2, fused=True, hidden=256)  # heads of 64 after 70 tokens: here SDPA fails this test
-    model.lm_head = quantize(model.lm_head.weight.data)
+    model.lm_head = Int4Linear.rounded(model.lm_head.weight.data)
     step = TargetStep(model, compile=compile)
     assert step.forward.invariant
 
@@ -167,6 +157,35 @@ def test_a_float_layer_rounded_to_q8_0_keeps_its_bias_and_moves_by_the_rounding(
     x = torch.randn(3, 64, generator=generator)
     rounded = layer.codes().float() * scales
     assert ((layer(x) - (x @ rounded.T + linear.bias)).abs() <= rounding_bound(x, rounded)).all()
+
+
+def test_a_float_weight_rounded_to_q4_1_moves_by_half_a_step_at_most():
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 64, generator=generator)
+    weight[3, :GROUP] = 0.25  # a block of one value: no range, nothing lost
+    layer = Int4Linear.rounded(weight)
+    steps = layer.scales().float().repeat_interleave(GROUP, 1)
+    error = (layer.weight() - weight).abs()
+    assert bool((error <= steps / 2 + 1e-3 * weight.abs() + 1e-6).all())  # (+ the float16 minimum's rounding)
+    assert torch.equal(layer.weight()[3, :GROUP], torch.full((GROUP,), 0.25))
+    assert layer.codes().min() == 0 and layer.codes().max() == 15  # each block spans the grid
+
+
+def test_a_reduced_draft_vocabulary_of_an_8_bit_head_reads_4_bit_rows():
+    """An EAGLE head with a draft vocabulary reads those rows of the target's LM head after every target pass;
+    of a GGUF target's 8-bit head, they are kept in 4 bits (a draft's logits need not be exact)."""
+    from fuzzyspec.core.vocab import DraftVocab, reduced_lm_head
+
+    generator = torch.Generator().manual_seed(3)
+    head = Int8Linear.rounded(torch.nn.Linear(64, 96, bias=False))
+    vocab = DraftVocab(torch.tensor([0, 5, 17, 40, 41, 95]), 96)
+    rows = reduced_lm_head(head, vocab)
+    assert isinstance(rows, Int4Linear) and (rows.out_features, rows.in_features) == (6, 64)
+    x = torch.randn(3, 64, generator=generator)
+    expected = head(x)[:, vocab.target_ids]
+    torch.testing.assert_close(rows(x), expected, rtol=0.1, atol=0.1 * float(expected.abs().max()))
+    float_rows = reduced_lm_head(torch.nn.Linear(64, 96, bias=False), vocab)
+    assert type(float_rows) is torch.nn.Linear and float_rows.out_features == 6
 
 
 def test_a_drafter_of_an_int4_target_reads_its_own_layers_at_8_bits_and_stays_lossless(tmp_path):
