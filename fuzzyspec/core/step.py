@@ -140,8 +140,9 @@ def fuse_float_projections(model: nn.Module) -> None:
     without biases one product for them, ``self_attn.qkv_proj`` (``mlp.gate_up_proj``), which ``LlamaForward``
     calls instead, as ``int4.fuse_projections`` does for int4 layers. Done on a GPU, where a small model's step
     is bound by how many kernels it runs rather than by the bytes they read. The separate layers keep working
-    (transformers' own forward calls them) on views of the fused weight, so the weights are held once. Layers
-    fused already are left as they are."""
+    (transformers' own forward calls them) on views of the fused weight, so the weights are held once. The fused
+    layers are plain attributes, not submodules: the model's state dict keeps its keys (a self-draft copies layers
+    by it). Layers fused already are left as they are."""
     for layer in model.get_decoder().layers:
         for owner, parts, name in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
                                    (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
@@ -156,7 +157,7 @@ def fuse_float_projections(model: nn.Module) -> None:
             for m in linears:
                 m.weight = nn.Parameter(weight[start: start + m.out_features], requires_grad=trained)
                 start += m.out_features
-            setattr(owner, name, fused)
+            object.__setattr__(owner, name, fused)
 
 
 class _PositionedLayer(CacheLayerMixin):

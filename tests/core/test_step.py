@@ -63,6 +63,7 @@ def test_fused_float_projections_compute_the_same_and_hold_the_weights_once():
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_proj.weight.untyped_storage().data_ptr()
     assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) < len(storages)
     torch.testing.assert_close(plain(model, tokens).logits, before, rtol=0, atol=0)  # transformers' forward
+    assert not any("qkv_proj" in key or "gate_up_proj" in key for key in model.state_dict())  # keys as they were
     step = TargetStep(model)
     assert step.forward.qkv[0] is attention.qkv_proj and step.forward.gate_up[0] is mlp.gate_up_proj
     cache = StaticCache.for_model(model.config, 1, 16, torch.float32, "cpu")
