@@ -121,11 +121,13 @@ class Int4Linear(nn.Module):
         """A float weight [N, K] rounded to Q4_1 as llama.cpp rounds it: per block of 32 inputs, minimum = the
         block's least weight and scale = its range / 15 (both float16), q = round((w - minimum) / scale)."""
         blocks = weight.detach().float().reshape(weight.shape[0], -1, GROUP)
-        minimums = blocks.amin(-1).half()
-        scales = ((blocks.amax(-1) - minimums.float()) / 15).half()
+        low, high = torch.aminmax(blocks, dim=-1)
+        minimums = low.half()
+        scales = ((high - minimums.float()) / 15).half()
         inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(scales, dtype=torch.float32))
-        codes = ((blocks - minimums.float()[..., None]) * inverse[..., None]).round().clamp(0, 15)
-        return cls.from_codes(codes.to(torch.int32).reshape(weight.shape), scales, minimums)
+        # (in place, and packed straight from the codes: a drafter's rows are rounded at every load)
+        codes = blocks.sub(minimums.float()[..., None]).mul_(inverse[..., None]).round_().clamp_(0, 15)
+        return cls.packed_as(pack_four(codes.to(torch.uint8).reshape(weight.shape), scales, minimums), *weight.shape)
 
     def forward(self, x: Tensor) -> Tensor:
         y = torch.ops.fuzzyspec_int4.mm_q4(x, self.packed)

@@ -120,7 +120,7 @@ def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab) -> nn.Module:
     from .int4 import Int4Linear, Int8Linear
 
     if isinstance(lm_head, Int8Linear):
-        return Int4Linear.rounded(lm_head.rows(vocab.target_ids.to(lm_head.weight.device)).weight)
+        return Int4Linear.rounded(lm_head.weight.detach().index_select(0, vocab.target_ids.to(lm_head.weight.device)))
     weight = lm_head.weight
     head = nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
     head.weight.data.copy_(weight.detach().index_select(0, vocab.target_ids.to(weight.device)))
