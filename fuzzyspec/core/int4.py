@@ -14,6 +14,8 @@ forms are unavailable and floats serve.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
@@ -173,13 +175,19 @@ def fuse_projections(model: nn.Module) -> None:
     """Give every decoder layer of a Llama-family ``model`` whose q, k and v (gate and up) are all int4 one fused
     layer for them, ``self_attn.qkv_proj`` (``mlp.gate_up_proj``), which our step (``core.step``) calls instead.
     Layers whose rows do not fill whole groups of 16 stay apart."""
+    for owner, name, linears in projection_groups(model):
+        if all(isinstance(m, Int4Linear) and m.out_features % ROWS == 0 for m in linears):
+            setattr(owner, name, fuse(linears))
+
+
+def projection_groups(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[nn.Module | None]]]:
+    """The projections of each decoder layer of a Llama-family ``model`` that read the same input, as (the module
+    holding them, the name of their fused layer, the layers): q, k and v (``self_attn.qkv_proj``); gate and up
+    (``mlp.gate_up_proj``)."""
     for layer in model.get_decoder().layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        for owner, parts, name in ((attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                   (mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
-            linears = [getattr(owner, part) for part in parts]
-            if all(isinstance(m, Int4Linear) and m.out_features % ROWS == 0 for m in linears):
-                setattr(owner, name, fuse(linears))
+        for owner, name, parts in ((layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                   (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"))):
+            yield owner, name, [getattr(owner, part, None) for part in parts]
 
 
 class Int8Linear(nn.Module):

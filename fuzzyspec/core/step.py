@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import attend, runs as attention_runs
 from .cost import Profile
+from .int4 import projection_groups
 from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
 
@@ -143,21 +144,18 @@ def fuse_float_projections(model: nn.Module) -> None:
     (transformers' own forward calls them) on views of the fused weight, so the weights are held once. The fused
     layers are plain attributes, not submodules: the model's state dict keeps its keys (a self-draft copies layers
     by it). Layers fused already are left as they are."""
-    for layer in model.get_decoder().layers:
-        for owner, parts, name in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                   (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
-            linears = [getattr(owner, part, None) for part in parts]
-            if hasattr(owner, name) or not all(type(m) is nn.Linear and m.bias is None for m in linears):
-                continue
-            trained = linears[0].weight.requires_grad
-            weight = torch.cat([m.weight.detach() for m in linears])
-            fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-            fused.weight = nn.Parameter(weight, requires_grad=trained)
-            start = 0
-            for m in linears:
-                m.weight = nn.Parameter(weight[start: start + m.out_features], requires_grad=trained)
-                start += m.out_features
-            object.__setattr__(owner, name, fused)
+    for owner, name, linears in projection_groups(model):
+        if hasattr(owner, name) or not all(type(m) is nn.Linear and m.bias is None for m in linears):
+            continue
+        trained = linears[0].weight.requires_grad
+        weight = torch.cat([m.weight.detach() for m in linears])
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        fused.weight = nn.Parameter(weight, requires_grad=trained)
+        start = 0
+        for m in linears:
+            m.weight = nn.Parameter(weight[start: start + m.out_features], requires_grad=trained)
+            start += m.out_features
+        object.__setattr__(owner, name, fused)
 
 
 class _PositionedLayer(CacheLayerMixin):
