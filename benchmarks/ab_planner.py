@@ -3,7 +3,8 @@ fixed 1-token chain, every variant decoding every prompt in turn (interleaved, t
 with its own copy of the cost profile (measured as it runs, from the same start).
 
 A variant is ``ar``, ``chain1`` (every step a 1-token EAGLE chain), or ``+``-joined changes to the planner as
-shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``chains``
+shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
+EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``chains``
 (chains only, no trees), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
 0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26). The planner before that day is
 ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
@@ -32,7 +33,8 @@ from fuzzyspec.api import ModelPair  # noqa: E402
 from fuzzyspec.core import cost, int4  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
-from fuzzyspec.drafters.eagle import EagleDrafter  # noqa: E402
+from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
+from fuzzyspec.drafters.head_step import ModuleStep  # noqa: E402
 from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
@@ -52,13 +54,13 @@ def apply(variant: str) -> dict:
         setattr(cost, name, value)
     if variant == "ar":
         return {"method": "ar"}
-    if variant == "chain1":
-        return {"tree": False, "gamma": 1, "gamma_schedule": "constant", "method": "sd"}
     options = {}
     for part in variant.split("+"):
-        if part == "q8rows":
+        if part == "chain1":
+            options |= {"tree": False, "gamma": 1, "gamma_schedule": "constant", "method": "sd"}
+        elif part in ("q8rows", "hfhead"):
             continue  # (its own job: see main)
-        if part == "chains":
+        elif part == "chains":
             options["tree"] = False
         elif part == "meanfold":
             cost._fold = mean_fold
@@ -91,17 +93,28 @@ def main() -> None:
     source = pair.with_drafter("default").draft
     job = ModelPair(pair.target, pair.tokenizer, source, step, None)
     jobs = {variant: job for variant in variants}
-    if any("q8rows" in variant.split("+") for variant in variants):
-        # the default job, its drafter reading its LM head rows at 8 bits, as before 2026-11-26 (4 bits since)
-        head, lm_head = source.module, pair.target.get_output_embeddings()
-        rows = lm_head.rows(head.vocab.target_ids) if isinstance(lm_head, int4.Int8Linear) else None
-        if rows is None:
-            raise SystemExit("q8rows needs the int4 form (an 8-bit LM head)")
-        q8 = DrafterSource(source.name, head, lambda v: EagleDrafter(head, pair.target, v, lambda out: rows(out).float()),
-                           drafts_trees=True)
-        for variant in variants:
-            if "q8rows" in variant.split("+"):
-                jobs[variant] = ModelPair(pair.target, pair.tokenizer, q8, step, None)
+    head, embed = source.module, pair.target.get_input_embeddings()
+    lm_head = pair.target.get_output_embeddings()
+    for variant in variants:
+        parts = variant.split("+")
+        if "q8rows" not in parts and "hfhead" not in parts:
+            continue
+        logits = head_logits(head, pair.target)
+        if "q8rows" in parts:
+            # the default job, its drafter reading its LM head rows at 8 bits, as before 2026-11-26 (4 bits since)
+            rows = lm_head.rows(head.vocab.target_ids) if isinstance(lm_head, int4.Int8Linear) else None
+            if rows is None:
+                raise SystemExit("q8rows needs the int4 form (an 8-bit LM head)")
+            logits = lambda out, rows=rows: rows(out).float()  # noqa: E731
+
+        def make(vocab_size: int, logits=logits, parts=parts) -> EagleDrafter:
+            drafter = EagleDrafter(head, pair.target, vocab_size, logits)
+            if "hfhead" in parts:  # the head through transformers' layer, as before 2026-11-26
+                drafter.step = ModuleStep(head, embed)
+            return drafter
+
+        jobs[variant] = ModelPair(pair.target, pair.tokenizer, DrafterSource(source.name, head, make, drafts_trees=True),
+                                  step, None)
     prompts = everyday(args.prompts)
     if step.compile:
         tuning.prepare(job, job.config(**COMMON), (256, 512))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -115,7 +116,7 @@ def make_steps(pairs: dict[str, ModelPair], modes: list[str]) -> dict[tuple[str,
             step.profile = tuning.load(key)
             step.profile_key = None if "-" in form else key  # the variants' costs are not kept
             if form.endswith("-sdpa"):
-                step.forward.invariant = False
+                step.forward.heads = dataclasses.replace(step.forward.heads, invariant=False)
             steps[form, mode] = step
     return steps
 

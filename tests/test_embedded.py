@@ -64,7 +64,7 @@ def test_cli_default_models(capsys):
     # drafts the numbers of a one-token step. Floats (where the kernels cannot run) verify through PyTorch's
     # attention, which rounds a multi-token pass differently: their answers may part at a near-tie.
     default = api.generate(ids, max_new_tokens=12)
-    if api.step.forward.invariant:
+    if api.step.forward.heads.invariant:
         assert default.tokens == ar.tokens
     else:
         assert parts_only_at_a_near_tie(api, ids, default.tokens, ar.tokens)
@@ -77,7 +77,7 @@ def test_the_default_job_writes_the_int4_targets_own_greedy_text():
     from pathlib import Path
 
     api = ModelPair.load()
-    if not api.step.forward.invariant:
+    if not api.step.forward.heads.invariant:
         pytest.skip("the CPU kernels do not run here: floats verify through PyTorch's attention")
     everyday = Path(__file__).parents[1] / "fuzzyspec" / "prompts" / "everyday.jsonl"
     prompts = [json.loads(line)["prompt"] for line in everyday.read_text().splitlines()[::16]]

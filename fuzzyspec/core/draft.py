@@ -131,7 +131,8 @@ class Drafter(Protocol):
     After every step that verified its draft, ``accepted(count)`` says how many of the draft's tokens
     were kept (the nodes of a tree's accepted path): the next ``propose`` gets the sequence it last saw,
     those tokens and at least one more, so a drafter can keep what it computed for them without comparing
-    tokens on the device. ``forwards`` counts the drafter's model passes, for statistics.
+    tokens on the device. ``forwards`` counts the drafter's model passes, for statistics. ``compiled``: the
+    engine's word that the target's steps run compiled, so a drafter that can runs its own compiled too.
     """
 
     forwards: int
@@ -139,6 +140,7 @@ class Drafter(Protocol):
     wants_target_features: ClassVar[bool]
     drafts_trees: ClassVar[bool]
     feature_layers: list[int]
+    compiled: bool
 
     def reset(self) -> None: ...
 
@@ -156,6 +158,7 @@ class BaseDrafter:
     wants_target_features: ClassVar[bool] = False
     drafts_trees: ClassVar[bool] = False
     feature_layers: list[int] = []
+    compiled: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0

@@ -167,6 +167,7 @@ class Engine:
                 generator.manual_seed(config.seed)
             self.cache.lengths[slot] = input_ids.shape[1] - 1  # the newest token is fed at the first step
             if drafter is not None:
+                drafter.compiled = self.step_fn.compile
                 drafter.reset()
                 if drafter.wants_target_features and found and input_ids.shape[1] > 1:
                     features = target_features(found, drafter, self.step_fn.layer_count)

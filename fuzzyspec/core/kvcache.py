@@ -1,4 +1,4 @@
-"""KV caches: the target's static cache, whose write positions the engine owns, and the draft heads' cache.
+"""KV caches: the target's static cache, whose write positions the engine owns, and the draft heads' caches.
 
 ``StaticCache`` preallocates every layer's keys and values for ``slots`` rows of up to ``capacity``
 positions. Row (slot) b holds its tokens at positions 0 .. lengths[b] - 1, with no holes. A step feeds
@@ -164,9 +164,53 @@ class DraftCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
-def crop_to(cache: DynamicCache | DraftCache, length: int) -> None:
-    """Keep the first ``length`` positions of a drafter's cache (a ``DraftCache``: the lengths move back; a
-    ``DynamicCache``: a slice of each layer's tensors). Either way it costs nothing in proportion to the prefix."""
+class HeadCache:
+    """A draft head's keys and values as a static cache for one sequence (``drafters.head_step``): one layer,
+    [1, kv_heads, capacity, head_dim] each, filled to ``length``. The capacity is a power of two (at least
+    ``HEAD_CAPACITY``), doubled when a call would write past it, so a compiled head step meets a handful of
+    shapes; a call writes its inputs at ``length`` on, and cropping only moves ``length`` back."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 capacity: int = 0) -> None:
+        shape = (1, kv_heads, _room(capacity), head_dim)
+        with torch.inference_mode():  # as the head's calls run: compiled graphs tell the two kinds of tensor apart
+            self.keys = _static(torch.zeros(shape, dtype=dtype, device=device))
+            self.values = _static(torch.zeros(shape, dtype=dtype, device=device))
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def make_room(self, end: int) -> None:
+        """Grow (keeping what is there) so that positions up to ``end`` - 1 can be written."""
+        if end <= self.capacity:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], _room(end), old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, _static(new))
+
+
+HEAD_CAPACITY = 256
+
+
+def _room(end: int) -> int:
+    """The capacity that holds ``end`` positions: a power of two, at least ``HEAD_CAPACITY``."""
+    return max(HEAD_CAPACITY, 1 << max(end - 1, 0).bit_length())
+
+
+def crop_to(cache: DynamicCache | DraftCache | HeadCache, length: int) -> None:
+    """Keep the first ``length`` positions of a drafter's cache (a ``DraftCache`` or ``HeadCache``: the lengths
+    move back; a ``DynamicCache``: a slice of each layer's tensors). Either way it costs nothing in proportion to
+    the prefix."""
+    if isinstance(cache, HeadCache):
+        cache.length = min(cache.length, length)
+        return
     if isinstance(cache, DraftCache):
         cache.lengths = [min(filled, length) for filled in cache.lengths]
         return

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,6 +40,89 @@ Features = dict[int, Tensor]
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
 
+@dataclass(frozen=True)
+class Heads:
+    """A Llama-family attention's shape, as one rank computes it (``ranks``: a tensor-parallel rank holds its
+    share of the heads), and whether ``attend`` serves it: float32 on a CPU, where our attention gives a query the
+    same numbers in a pass of any width (``core.attention``), so a verification scores each token as a one-token
+    step would."""
+
+    count: int
+    kv: int
+    dim: int
+    invariant: bool
+
+    @classmethod
+    def of(cls, config, weight: Tensor, ranks: int = 1) -> "Heads":
+        """The heads of a model with this ``config`` whose weights are like ``weight`` (device, dtype)."""
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(heads // ranks, kv // ranks, dim, attention_runs(weight.device, weight.dtype))
+
+    @property
+    def widths(self) -> tuple[int, int, int]:
+        """The widths of q, k and v in a fused q|k|v product."""
+        return self.count * self.dim, self.kv * self.dim, self.kv * self.dim
+
+
+def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """transformers' RMSNorm, in float32 with the weight applied after casting back (an ``nn.Identity``, as an
+    EAGLE head's dropped input norm is, passes ``x`` through)."""
+    if isinstance(norm, nn.Identity):
+        return x
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                  where: Tensor, write: Tensor, mask: Tensor, slots: Tensor | None, heads: Heads,
+                  qkv: nn.Module | None = None, gate_up: nn.Module | None = None) -> Tensor:
+    """One Llama-family decoder ``layer`` (its own modules) over the residual stream ``h`` [B, k, H]: its keys
+    and values go into ``keys``, ``values`` [slots, kv_heads, capacity, D] at rows ``where`` [B, 1] and positions
+    ``write`` [B, k]; attention reads the cache rows (``slots`` where given, else the first B) where ``mask``
+    [B, 1, k, capacity] allows; ``cos``, ``sin`` [B, k, 1, D]. ``qkv``, ``gate_up``: fused projections, if any.
+    Returns the new ``h``. The target's step and an EAGLE head's step both run their layers through it."""
+    rows, width = h.shape[:2]
+    attention = layer.self_attn
+    x = rms_norm(layer.input_layernorm, h)
+    if qkv is not None:
+        q, k, v = qkv(x).split(heads.widths, -1)
+    else:
+        q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+    q = _rotate(q.view(rows, width, heads.count, heads.dim), cos, sin)
+    k = _rotate(k.view(rows, width, heads.kv, heads.dim), cos, sin)
+    v = v.view(rows, width, heads.kv, heads.dim)
+    # [B, k, kv_heads, D] is the layout the advanced indices (first) give: no transpose to write.
+    keys[where, :, write] = k
+    values[where, :, write] = v
+    if slots is not None:
+        keys, values = keys.index_select(0, slots), values.index_select(0, slots)
+    elif keys.shape[0] != rows:  # the step runs over the first rows of a larger cache
+        keys, values = keys[:rows], values[:rows]
+    scale = heads.dim ** -0.5
+    if heads.invariant:
+        out = attend(q, keys, values, mask, scale)
+    else:  # enable_gqa: the kv heads are shared by SDPA itself, never repeated (a copy of the layer's cache)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=heads.count != heads.kv).transpose(1, 2)
+    h = h + attention.o_proj(out.reshape(rows, width, heads.count * heads.dim))
+    mlp = layer.mlp
+    x = rms_norm(layer.post_attention_layernorm, h)
+    if gate_up is not None:
+        gate, up = gate_up(x).chunk(2, -1)
+    else:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    return h + mlp.down_proj(F.silu(gate) * up)
+
+
 class LlamaForward(nn.Module):
     """One step of a Llama-family model, as a plain function of tensors over its own modules."""
 
@@ -46,24 +130,14 @@ class LlamaForward(nn.Module):
         super().__init__()
         if model.get_input_embeddings().weight.device.type == "cuda":
             fuse_float_projections(model)
-        config = model.config
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        heads = config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        ranks = shards(model)  # a tensor-parallel rank computes its share of the heads (its projections' slices)
-        self.heads = heads // ranks
-        self.kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // ranks
-        self.scale = self.head_dim ** -0.5
+        # a tensor-parallel rank computes its share of the heads (its projections' slices)
+        self.heads = Heads.of(model.config, model.get_input_embeddings().weight, shards(model))
         self.layer_count = len(self.decoder.layers)
         # fused projections where the loader made them (``int4.fuse``): one product for q, k and v, one for gate/up
         self.qkv = [getattr(layer.self_attn, "qkv_proj", None) for layer in self.decoder.layers]
         self.gate_up = [getattr(layer.mlp, "gate_up_proj", None) for layer in self.decoder.layers]
-        self.qkv_widths = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
-        # float32 on a CPU: our attention, which gives a query the same numbers in a pass of any width
-        # (``core.attention``), so a verification scores each token as a one-token step would
-        weight = model.get_input_embeddings().weight
-        self.invariant = attention_runs(weight.device, weight.dtype)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -73,19 +147,6 @@ class LlamaForward(nn.Module):
         return (config.model_type in LLAMA_FAMILY and decoder is not None and hasattr(decoder, "layers")
                 and not getattr(config, "sliding_window", None) and getattr(config, "hidden_act", "silu") == "silu"
                 and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in decoder.layers))
-
-    @staticmethod
-    def _norm(norm: nn.Module, x: Tensor) -> Tensor:
-        # transformers' RMSNorm, in float32 with the weight applied after casting back
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        return norm.weight * x.to(dtype)
-
-    @staticmethod
-    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
     def forward(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
                 slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = ()
@@ -99,38 +160,9 @@ class LlamaForward(nn.Module):
         for i, layer in enumerate(self.decoder.layers):
             if i in features:
                 found[i] = h
-            attention = layer.self_attn
-            x = self._norm(layer.input_layernorm, h)
-            if self.qkv[i] is not None:
-                q, k, v = self.qkv[i](x).split(self.qkv_widths, -1)
-            else:
-                q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
-            q = self._rotate(q.view(rows, width, self.heads, self.head_dim), cos, sin)
-            k = self._rotate(k.view(rows, width, self.kv_heads, self.head_dim), cos, sin)
-            v = v.view(rows, width, self.kv_heads, self.head_dim)
-            # [B, k, kv_heads, D] is the layout the advanced indices (first) give: no transpose to write.
-            cache.keys[i][where, :, write] = k
-            cache.values[i][where, :, write] = v
-            keys, values = cache.keys[i], cache.values[i]
-            if slots is not None:
-                keys, values = keys.index_select(0, slots), values.index_select(0, slots)
-            elif keys.shape[0] != rows:  # the step runs over the first rows of a larger cache
-                keys, values = keys[:rows], values[:rows]
-            if self.invariant:
-                out = attend(q, keys, values, mask, self.scale)
-            else:  # enable_gqa: the kv heads are shared by SDPA itself, never repeated (a copy of the layer's cache)
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                     scale=self.scale, enable_gqa=self.heads != self.kv_heads
-                                                     ).transpose(1, 2)
-            h = h + attention.o_proj(out.reshape(rows, width, self.heads * self.head_dim))
-            mlp = layer.mlp
-            x = self._norm(layer.post_attention_layernorm, h)
-            if self.gate_up[i] is not None:
-                gate, up = self.gate_up[i](x).chunk(2, -1)
-            else:
-                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-            h = h + mlp.down_proj(F.silu(gate) * up)
-        h = self._norm(self.decoder.norm, h)
+            h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
+                              self.heads, self.qkv[i], self.gate_up[i])
+        h = rms_norm(self.decoder.norm, h)
         if self.layer_count in features:
             found[self.layer_count] = h
         return self.lm_head(h[:, -keep:] if keep else h), found
@@ -264,7 +296,7 @@ class TargetStep:
         on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
         self.compile, self.widths = compile, widths or (GPU_WIDTHS if on_gpu else WIDTHS)
         self.graphs = compile and graphs and on_gpu
-        self._compiled: nn.Module | None = None
+        self._compiled: Compiled | None = None
         self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
         self._calls: set[tuple] = set()  # what told the compiled calls so far apart (see __call__)
         self._every_layer = tuple(range(self.layer_count + 1))
@@ -307,8 +339,8 @@ class TargetStep:
         # Packed inputs: a graph is then chosen by the shapes and Python values in ``call`` alone.
         if write is positions:  # dynamo guards on aliasing too: a graph for one tensor would not serve two
             write = positions.clone()
-        tokens, positions, write, mask = (_packed(t) for t in (tokens, positions, write, mask))
-        slots = _packed(slots) if slots is not None else None
+        tokens, positions, write, mask = (packed(t) for t in (tokens, positions, write, mask))
+        slots = packed(slots) if slots is not None else None
         call = (tuple(tokens.shape), tuple(mask.shape), tuple(cache.keys[0].shape), cache.keys[0].dtype,
                 None if slots is None else tuple(slots.shape), keep, torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled())
@@ -320,43 +352,61 @@ class TargetStep:
         self._calls.add(call)
         # One graph per shape serves every row, whichever layers its drafter reads: the graph returns every
         # layer's hidden state (each exists anyway, as the residual stream) and the caller's are picked here.
-        # Checking all of dynamo's guards costs about 0.8 ms a call here (the frozen weights); a call like one
-        # already run checks only the guards that tell the graphs apart. Where those find no graph (something
-        # ``call`` does not hold changed), dynamo refuses rather than guess, and the call runs fully checked.
         arguments = (cache, tokens, positions, write, mask, slots, keep, self._every_layer)
-        if self.graphs:  # each call is a new run of the graphs: what the last one returned is no longer read
-            torch.compiler.cudagraph_mark_step_begin()
-        try:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=seen):
-                logits, found = self._compiled_forward()(*arguments)
-        except RuntimeError as error:
-            if not seen or "skip_guard_eval_unsafe" not in str(error):
-                raise
-            self.compiling = True
-            logits, found = self._compiled_forward()(*arguments)
+        logits, found = self._compiled_forward()(seen, *arguments)
+        self.compiling |= self._compiled.compiled_again
         if self.graphs:  # a replay's outputs live in the graphs' memory, which the next replay overwrites
             return logits.clone(), {i: found[i].clone() for i in features}
         return logits, {i: found[i] for i in features}
 
-    def _compiled_forward(self) -> nn.Module:
+    def _compiled_forward(self) -> "Compiled":
         if self._compiled is None:
-            import torch._dynamo.config as dynamo
-            import torch._inductor.config as inductor
-
-            # Frozen weights are constants to inductor: on the CPU it prepacks them for its GEMM kernels (on a
-            # GPU it gains nothing there and copies every weight while compiling).
-            if self.model.get_input_embeddings().weight.device.type == "cpu":
-                inductor.freezing = True
-            # One graph per (rows, width, cache size) and per model: dynamo's default of 8 graphs a function
-            # would silently run later shapes eagerly (measured: a second model's widths 6 and 17 ran eager).
-            dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
-            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
-            # (the cache's tensors are marked static, ``kvcache.StaticCache``: graphs write into them in place)
-            self._compiled = torch.compile(self.forward, dynamic=False, mode="reduce-overhead" if self.graphs else None)
+            self._compiled = Compiled(self.forward, self.model.get_input_embeddings().weight.device, self.graphs)
         return self._compiled
 
 
-def _packed(tensor: Tensor) -> Tensor:
+class Compiled:
+    """``function`` compiled as steps are (the target's, an EAGLE head's): one graph per shape (``dynamic=False``),
+    on a GPU captured as CUDA graphs where ``graphs`` (inductor's "reduce-overhead"; a caller copies what it keeps
+    of the outputs before the next call, whose replay overwrites them)."""
+
+    def __init__(self, function: Callable, device: torch.device, graphs: bool = False) -> None:
+        import torch._dynamo.config as dynamo
+        import torch._inductor.config as inductor
+
+        # Frozen weights are constants to inductor: on the CPU it prepacks them for its GEMM kernels (on a
+        # GPU it gains nothing there and copies every weight while compiling).
+        if device.type == "cpu":
+            inductor.freezing = True
+        # One graph per shape and per model: dynamo's default of 8 graphs a function would silently run later
+        # shapes eagerly (measured: a second model's widths 6 and 17 ran eager).
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
+        # (caches' tensors are marked static, ``kvcache._static``: graphs write into them in place)
+        self.graphs = graphs
+        self.function = torch.compile(function, dynamic=False, mode="reduce-overhead" if graphs else None)
+        self.compiled_again = False  # whether the last call found its guards failing and ran fully checked
+
+    def __call__(self, seen: bool, *arguments):
+        """The compiled function's result. ``seen``: a call like this one (the same shapes and Python values) ran
+        before. Checking all of dynamo's guards costs about 0.8 ms a call on a 30-layer target (its frozen
+        weights); a call like one already run checks only the guards that tell the graphs apart. Where those find
+        no graph (something the caller's key does not hold changed), dynamo refuses rather than guess, and the
+        call runs fully checked."""
+        self.compiled_again = False
+        if self.graphs:  # each call is a new run of the graphs: what the last one returned is no longer read
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=seen):
+                return self.function(*arguments)
+        except RuntimeError as error:
+            if not seen or "skip_guard_eval_unsafe" not in str(error):
+                raise
+            self.compiled_again = True
+            return self.function(*arguments)
+
+
+def packed(tensor: Tensor) -> Tensor:
     """``tensor`` with the strides of a fresh tensor of its shape. ``contiguous()`` is not enough: a [1, w] slice
     of a longer row counts as contiguous but keeps the row's stride, and dynamo guards on every stride, so a
     graph compiled for the slice (as ``tuning.prepare`` fed it) was compiled again for the engine's own inputs,

@@ -12,12 +12,13 @@ from transformers import PreTrainedModel
 
 from ..core.draft import BaseDrafter, Budget, Draft
 from ..core.host import upload
-from ..core.kvcache import DraftCache, crop_to
+from ..core.kvcache import crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import reduced_lm_head
 from .chain import common_prefix, draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from .eagle_head import EagleHead, load_head
+from .head_step import head_step
 
 Head = EagleHead | Eagle3Head
 
@@ -66,13 +67,14 @@ class EagleDrafter(BaseDrafter):
         super().__init__()
         self.head = head
         self.embed = target.get_input_embeddings()
+        self.step = head_step(head, self.embed)  # the head's calls, over its own cache (eager or compiled)
         self.vocab_size = vocab_size
         self.vocab = head.vocab
         self.feature_layers = head.feature_layers
         self._head_logits = logits or head_logits(head, target)
 
     def reset(self) -> None:
-        self.cache = DraftCache()
+        self.cache = self.step.new_cache()
         self.features: Tensor | None = None  # true target features of positions 0 .. known - 1, then room
         self.known = 0
         self.tokens: Tensor | None = None  # the sequence those features belong to, until the engine vouches for it
@@ -104,7 +106,7 @@ class EagleDrafter(BaseDrafter):
 
         def advance(token: Tensor) -> Tensor:
             nonlocal hidden
-            hidden = self.head(self.embed(token), hidden, self.cache)
+            hidden = self.step(self.cache, token, hidden, compiled=self.compiled)
             self.forwards += 1
             return self._logits(hidden[:, -1])
 
@@ -119,8 +121,8 @@ class EagleDrafter(BaseDrafter):
             self.true_positions = min(self.true_positions, common_prefix(self.tokens, sequence) - 1)
         kept = max(0, min(self.true_positions, count - 1))  # always feed at least one position
         crop_to(self.cache, kept)
-        embeds = self.embed(sequence[:, kept + 1: count + 1])
-        hidden = self.head(embeds, self.features[:, kept:count].to(embeds.dtype), self.cache)[:, -1:]
+        hidden = self.step(self.cache, sequence[:, kept + 1: count + 1], self.features[:, kept:count],
+                           compiled=self.compiled)[:, -1:]
         self.forwards += 1
         self.true_positions, self.tokens = count, sequence
         return hidden
@@ -170,20 +172,19 @@ class EagleDrafter(BaseDrafter):
             expand = sorted(frontier, key=lambda node: -scores[node])[:top_k]
             if not expand:
                 break
-            mask = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool)  # made on the host
-            mask[:, :base] = True
+            allowed = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool)  # on the host
+            allowed[:, :base] = True
             slot = {node: base + i for i, node in enumerate(in_cache)}
             for row, node in enumerate(expand):
                 ancestor = parents[node]
                 while ancestor >= 0:
-                    mask[row, slot[ancestor]] = True
+                    allowed[row, slot[ancestor]] = True
                     ancestor = parents[ancestor]
-                mask[row, base + len(in_cache) + row] = True
+                allowed[row, base + len(in_cache) + row] = True
             positions = upload([[base - 1 + depths[node] for node in expand]], sequence.device)
-            embeds = self.embed(upload([[tokens[node] for node in expand]], sequence.device))
             features = torch.stack([hidden_of[parents[node]] for node in expand])[None]
-            hidden = self.head(embeds, features, self.cache, mask=upload(mask, sequence.device)[None, None],
-                             positions=positions)
+            hidden = self.step(self.cache, upload([[tokens[node] for node in expand]], sequence.device), features,
+                               positions, allowed, compiled=self.compiled)
             self.forwards += 1
             in_cache += expand
             logits = self._logits(hidden[0])

@@ -30,6 +30,7 @@ from ..loading import EMBEDDED, LoadError, check_model_name, check_vocabularies,
 from ..options import DEFAULT_DRAFT, DEFAULT_JOB
 from .draftlm import DraftLM, is_shared_draft, load_draft_lm, self_draft
 from .eagle import EagleDrafter, head_logits, load_any_head
+from .head_step import head_step
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 
@@ -49,13 +50,15 @@ class DrafterSpec:
 @dataclass
 class DrafterSource:
     """A loaded drafter: ``name`` as asked, ``module`` its weights (None for prompt lookup), ``make`` what makes
-    a per-sequence drafter, ``width`` the target-vocabulary columns its logits cover (None: any)."""
+    a per-sequence drafter, ``width`` the target-vocabulary columns its logits cover (None: any), ``prepare``
+    (where its drafters run compiled steps of their own) what compiles those ahead for a cache of a capacity."""
 
     name: str
     module: torch.nn.Module | None
     make: Callable[[int], Drafter]
     width: int | None = None
     drafts_trees: bool = False
+    prepare: Callable[[int], None] | None = None
 
     def new(self, vocab_size: int) -> Drafter:
         """A fresh drafter for one sequence of a pair sharing ``vocab_size`` logit columns."""
@@ -148,6 +151,7 @@ def _head(name: str, folder: Path, target: PreTrainedModel) -> DrafterSource:
     except (OSError, ValueError) as error:
         raise LoadError(str(error)) from error
     logits = head_logits(head, target)
+    step = head_step(head, target.get_input_embeddings())  # made here, so every drafter of the head shares it
     return DrafterSource(name, head, lambda vocab_size: EagleDrafter(head, target, vocab_size, logits),
-                         drafts_trees=True)
+                         drafts_trees=True, prepare=step.prepare if step.compiles else None)
 

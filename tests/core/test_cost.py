@@ -207,8 +207,39 @@ def test_prepare_compiles_every_shape_the_schedule_may_pick():
     option = Option.of("h", config)
     assert option == Option("h", 3, (6, 2))
     assert option.widths() == (1, 2, 3, 4, 7)  # nothing, chains 1-3 deep, trees 2 wide of 2 and 6 nodes
-    tuning.prepare(SimpleNamespace(step=step, draft=SimpleNamespace(name="h")), config)
+    tuning.prepare(SimpleNamespace(step=step, draft=SimpleNamespace(name="h", prepare=None)), config)
     assert sorted(compiled) == [1, 2, 4, 8]  # each padded to its width bucket, once
+
+
+def test_prepare_compiles_the_eagle_heads_step_too(tmp_path):
+    """A compiled pair's EAGLE head runs compiled steps of its own (``drafters.head_step``): ``prepare`` compiles
+    them ahead with the target's, so decoding chains and trees, eight times past the head cache's first capacity,
+    compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from fuzzyspec import tuning
+    from fuzzyspec.drafters.eagle_head import EagleHead
+    from fuzzyspec.drafters.registry import load_drafter
+
+    target = tiny_llama(seed=5)
+    torch.manual_seed(0)
+    EagleHead.for_target(target).save(tmp_path)
+    source = load_drafter(f"eagle:{tmp_path}", target, None)
+    assert source.prepare is not None
+    step = TargetStep(target, compile=True, widths=(1, 2, 4, 8))
+    chain = DecodeConfig(method="sd", gamma=3, max_new_tokens=12, gamma_schedule="constant")
+    tree = DecodeConfig(method="sd", tree=True, tree_total_tokens=6, tree_depth=3, tree_top_k=2, max_new_tokens=12,
+                        gamma_schedule="constant")
+    for config in (chain, tree):
+        tuning.prepare(SimpleNamespace(step=step, draft=source), config, (256, 512))
+    graphs = counters["stats"]["unique_graphs"]
+    for config in (chain, tree):
+        for prompt in ([1, 2, 3], list(range(1, 31)) * 9):
+            drafter = source.new(V)
+            decode(step, drafter, torch.tensor([prompt]), config, V)
+            assert drafter.compiled
+    assert drafter.cache.capacity == 512
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_the_graphs_prepared_ahead_are_the_ones_decoding_runs():
@@ -220,7 +251,7 @@ def test_the_graphs_prepared_ahead_are_the_ones_decoding_runs():
 
     step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 2, 4))
     config = DecodeConfig(method="sd", gamma=3, max_new_tokens=12, gamma_schedule="constant")
-    tuning.prepare(SimpleNamespace(step=step, draft=SimpleNamespace(name="ModelDrafter")), config)
+    tuning.prepare(SimpleNamespace(step=step, draft=SimpleNamespace(name="ModelDrafter", prepare=None)), config)
     graphs = counters["stats"]["unique_graphs"]
     decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
     decode(step, None, torch.tensor([[1, 2, 3]]), DecodeConfig(method="ar", max_new_tokens=4), V)

@@ -122,7 +122,7 @@ def test_a_verification_scores_each_node_exactly_as_a_one_token_step(compile):
     model = int4_model(seed=2, fused=True, hidden=256)  # heads of 64 after 70 tokens: here SDPA fails this test
     model.lm_head = Int4Linear.rounded(model.lm_head.weight.data)
     step = TargetStep(model, compile=compile)
-    assert step.forward.invariant
+    assert step.forward.heads.invariant
 
     def run(cache, tokens, tree=None, depths=None):
         logits, _ = run_step(step, cache, tokens, tree, depths, compiled=True)

@@ -1,0 +1,75 @@
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import tiny_llama
+from fuzzyspec.core.kvcache import HEAD_CAPACITY, DraftCache, crop_to
+from fuzzyspec.core.vocab import DraftVocab
+from fuzzyspec.drafters.eagle3 import make_eagle3
+from fuzzyspec.drafters.eagle_head import EagleHead
+from fuzzyspec.drafters.head_step import WIDTHS, HeadStep, ModuleStep, head_step
+
+V = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=V, layers=2, seed=2)
+
+
+@pytest.fixture(scope="module")
+def head(model):
+    torch.manual_seed(3)
+    return EagleHead.for_target(model).eval()
+
+
+def calls(step, cache, tokens, features, compiled):
+    """The calls a drafter makes: the prompt's true features, a chain token fed its own prediction, a tree level
+    (two nodes, siblings, each seeing the cache and itself) dropped again, then accepted tokens' features."""
+    out = [step(cache, tokens[:, 1:40], features[:, :39], compiled=compiled)]
+    out.append(step(cache, tokens[:, 40:41], out[-1][:, -1:], compiled=compiled))
+    base = cache.get_seq_length()
+    allowed = torch.ones(2, base + 2, dtype=torch.bool)
+    allowed[0, base + 1] = allowed[1, base] = False
+    out.append(step(cache, tokens[:, 41:43], out[-1].expand(1, 2, -1), torch.tensor([[base, base]]), allowed,
+                    compiled=compiled))
+    crop_to(cache, 39)
+    out.append(step(cache, tokens[:, 40:43], features[:, 39:42], compiled=compiled))
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_head_step_equals_the_heads_own_layer(model, head, compiled):
+    """Our flat step over a static cache gives the head's outputs as transformers' layer over a growing cache does,
+    call for call (causal, a tree level's mask, a crop), eager and compiled at padded widths, and past its cache's
+    first capacity (it grows)."""
+    embed = model.get_input_embeddings()
+    step = HeadStep(head, embed)
+    reference = ModuleStep(head, embed)
+    tokens = torch.randint(0, V, (1, 43), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 43, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours = calls(step, step.new_cache(), tokens, features, compiled)
+        theirs = calls(reference, DraftCache(), tokens, features, False)
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        graphs = counters["stats"]["unique_graphs"]
+        cache = step.new_cache()
+        long = torch.randint(0, V, (1, HEAD_CAPACITY + 3))
+        step(cache, long[:, : HEAD_CAPACITY - 1], torch.randn(1, HEAD_CAPACITY - 1, model.config.hidden_size))
+        grown = step(cache, long[:, HEAD_CAPACITY - 1: HEAD_CAPACITY + 2],
+                     torch.randn(1, 3, model.config.hidden_size), compiled=compiled)
+        calls(step, step.new_cache(), tokens, features, compiled)
+    assert cache.capacity == 2 * HEAD_CAPACITY and cache.length == HEAD_CAPACITY + 2 and grown.shape[1] == 3
+    if compiled:  # shapes met again compile nothing: not a larger cache, nor slices of a longer row (their strides)
+        assert {width for width, _ in step._calls} <= set(WIDTHS)
+        assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_one_step_per_head_and_the_others_run_as_their_module(model, head):
+    embed = model.get_input_embeddings()
+    assert head_step(head, embed) is head_step(head, embed)
+    assert isinstance(head_step(head, embed), HeadStep)
+    eagle3 = make_eagle3(model, DraftVocab(torch.arange(0, V, 2), V))
+    assert isinstance(head_step(eagle3, embed), ModuleStep)
