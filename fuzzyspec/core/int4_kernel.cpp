@@ -96,11 +96,15 @@ struct Eight {  // Q8_0
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 
-// One group of 16 rows against tokens t .. t + TN - 1. Each token's integer sum runs as four chains (codes
-// j and j + 4 apart), added exactly: independent work for one token without reading a second group (two
-// groups' streams at once measured 18% slower decoding on an AMD EPYC).
+constexpr int TILE = 8;  // tokens a tile takes at most: its weights are unpacked once for all of them
+
+// One group of 16 rows against tokens t .. t + TN - 1. A token's integer sum runs as CHAINS chains, added
+// exactly: a lone token's four (codes j and j + 4 apart) give its multiply-adds independent work without
+// reading a second group (two groups' streams at once measured 18% slower decoding on an AMD EPYC); with more
+// tokens their sums are that work, and each chain more costs an add a block per token.
 template <int TN>
 void tile(const Operands& o, Four, int64_t g, int64_t t) {
+  constexpr int CHAINS = TN >= 4 ? 1 : TN >= 2 ? 2 : 4;
   const int64_t nb = o.blocks;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[TN];
@@ -118,11 +122,12 @@ void tile(const Operands& o, Four, int64_t g, int64_t t) {
     for (int i = 0; i < TN; ++i) {
       const int64_t block = (t + i) * nb + b;
       const int8_t* a = o.x + block * 32;
-      __m512i s[4];
-      for (int j = 0; j < 4; ++j) s[j] = _mm512_setzero_si512();
+      __m512i s[CHAINS];
+      for (int j = 0; j < CHAINS; ++j) s[j] = _mm512_setzero_si512();
       for (int j = 0; j < 8; ++j)
-        s[j % 4] = _mm512_dpbusd_epi32(s[j % 4], w[j], _mm512_set1_epi32(four_bytes(a + 4 * j)));
-      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
+        s[j % CHAINS] = _mm512_dpbusd_epi32(s[j % CHAINS], w[j], _mm512_set1_epi32(four_bytes(a + 4 * j)));
+      __m512i sum = s[0];
+      for (int j = 1; j < CHAINS; ++j) sum = _mm512_add_epi32(sum, s[j]);
       acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(o.x_scale[block])), _mm512_cvtepi32_ps(sum), acc[i]);
       acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(o.x_sum[block]), acc[i]);
     }
@@ -157,6 +162,8 @@ void tile(const Operands& o, Eight, int64_t g, int64_t t) {
 }
 
 #else
+
+constexpr int TILE = 4;  // (16 vector registers: eight hold a block's unpacked codes)
 
 // Eight int32 sums of four products of unsigned by signed bytes, added to acc: one instruction with AVX-VNNI,
 // else AVX2's pairs to int16 (maddubs) and pairs of those to int32 (madd). The same integers either way.
@@ -233,16 +240,23 @@ void tile(const Operands& o, Eight, int64_t g, int64_t t) {
 
 #endif
 
-// One group against every token: four at a time, then the rest.
+// The last n < TILE tokens from t, as one tile.
+template <class Format, int TN>
+void rest(const Operands& o, int64_t g, int64_t t, int64_t n) {
+  if constexpr (TN > 0) {
+    if (n == TN)
+      tile<TN>(o, Format{}, g, t);
+    else
+      rest<Format, TN - 1>(o, g, t, n);
+  }
+}
+
+// One group against every token: TILE at a time, then the rest.
 template <class Format>
 void group(const Operands& o, int64_t g, int64_t M) {
   int64_t t = 0;
-  for (; t + 4 <= M; t += 4) tile<4>(o, Format{}, g, t);
-  switch (M - t) {
-    case 3: tile<3>(o, Format{}, g, t); break;
-    case 2: tile<2>(o, Format{}, g, t); break;
-    case 1: tile<1>(o, Format{}, g, t); break;
-  }
+  for (; t + TILE <= M; t += TILE) tile<TILE>(o, Format{}, g, t);
+  rest<Format, TILE - 1>(o, g, t, M - t);
 }
 
 // x [..., K] times the packed weight's transpose: [..., N] (N = 16 x groups), in x's dtype (computed in float32).

@@ -38,7 +38,7 @@ def test_the_layer_computes_with_its_codes_scales_and_minimums():
 
 @pytest.mark.parametrize("out_features", [50, 64])
 def test_a_tokens_result_does_not_depend_on_its_batch(out_features):
-    """The kernel computes each output by the same operations for any number of tokens and rows (tiles of 1-4
+    """The kernel computes each output by the same operations for any number of tokens and rows (tiles of 1-8
     tokens, one or two groups of 16 rows, the last group padded): a verification step's logits for a position are
     a single step's, bit for bit."""
     generator = torch.Generator().manual_seed(2)
