@@ -45,6 +45,7 @@ def test_head_step_equals_the_heads_own_layer(model, head, compiled):
     first capacity (it grows)."""
     embed = model.get_input_embeddings()
     step = HeadStep(head, embed)
+    assert step.heads.invariant  # float32 on a CPU: our attention kernel (bfloat16 below: PyTorch's)
     reference = ModuleStep(head, embed)
     tokens = torch.randint(0, V, (1, 43), generator=torch.Generator().manual_seed(0))
     features = torch.randn(1, 43, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -73,3 +74,21 @@ def test_one_step_per_head_and_the_others_run_as_their_module(model, head):
     assert isinstance(head_step(head, embed), HeadStep)
     eagle3 = make_eagle3(model, DraftVocab(torch.arange(0, V, 2), V))
     assert isinstance(head_step(eagle3, embed), ModuleStep)
+
+
+def test_head_step_in_bfloat16_runs_through_pytorchs_attention(model, head):
+    """Where our attention kernel does not serve (bfloat16 here; any GPU), the step attends through PyTorch's SDPA,
+    and still gives the head's own outputs (to bfloat16's precision)."""
+    import copy
+
+    target, draft = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(head).to(torch.bfloat16)
+    embed = target.get_input_embeddings()
+    step = HeadStep(draft, embed)
+    assert not step.heads.invariant
+    tokens = torch.randint(0, V, (1, 43), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 43, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours = calls(step, step.new_cache(), tokens, features.bfloat16(), False)
+        theirs = calls(ModuleStep(draft, embed), DraftCache(), tokens, features.bfloat16(), False)
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02), (a - b).abs().max()
