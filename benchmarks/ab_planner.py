@@ -5,7 +5,8 @@ with its own copy of the cost profile (measured as it runs, from the same start)
 A variant is ``ar``, ``chain1`` (every step a 1-token EAGLE chain), or ``+``-joined changes to the planner as
 shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
 EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``chains``
-(chains only, no trees), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
+(chains only, no trees), ``fixedprior`` (every row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the
+drafter's learnt prior, ``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
 0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26). The planner before that day is
 ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
@@ -39,6 +40,7 @@ from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
 SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold")}
+POPULATION = Profile.population
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -52,6 +54,7 @@ def apply(variant: str) -> dict:
     """Set the planner's constants for ``variant``; the decoding options it runs with."""
     for name, value in SHIPPED.items():
         setattr(cost, name, value)
+    Profile.population = POPULATION
     if variant == "ar":
         return {"method": "ar"}
     options = {}
@@ -60,6 +63,8 @@ def apply(variant: str) -> dict:
             options |= {"tree": False, "gamma": 1, "gamma_schedule": "constant", "method": "sd"}
         elif part in ("q8rows", "hfhead"):
             continue  # (its own job: see main)
+        elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
+            Profile.population = lambda self, key: None
         elif part == "chains":
             options["tree"] = False
         elif part == "meanfold":

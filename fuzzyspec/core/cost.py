@@ -23,7 +23,9 @@ chain about 30% cheaper than it was, on a 4-bit target).
 measured is assumed to cost what the nearest measured narrower width costs (optimism: it gets tried, and after
 a few measurements their minimum decides), a draft size below every measured one its share of the smallest
 measured (drafting nothing costs nothing), and acceptances start from a prior worth about ten of a row's
-own steps; a row's counts fade slowly every step, so one that stopped drafting comes back to the prior.
+own steps: the acceptance the drafter's earlier rows met under the same rule (``Profile.population``, kept with
+the profile), or ``PRIOR_ACCEPTANCE`` before any; a row's counts fade slowly every step, so one that stopped
+drafting comes back to the prior.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ PRIOR_WIDER = 0.15      # the share of a chain's misses each further child per n
 # (where drafting hardly pays), the same as before within a run's noise (benchmarks/results_planner_ab_epyc.txt).
 PRIOR_WEIGHT = 10.0     # in steps: how soon a row's own data outweighs the prior
 MEMORY = 0.99           # a row's counts fade by this per step, so a long answer's estimate follows its text
+POPULATION_MEMORY = 0.999  # a drafter's acceptance over all rows (a new row's prior) fades this much a step
 TRIALS = 3              # measurements of a new size before the planner trusts its cost
 STRIDE = 0.02           # how far one measurement moves a cost's running median, as a share of it
 TARGET = ""             # the target's key among the drafters' (whose keys name a drafter and shape)
@@ -72,6 +75,7 @@ class Profile:
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
     batches: dict[int, dict[int, float]] = field(default_factory=dict)
     outside: dict[int, float] = field(default_factory=dict)  # rows -> ms; see above
+    populations: dict[str, "Acceptance"] = field(default_factory=dict)  # see ``population``
     updates: int = 0  # measurements folded in since the profile was loaded
     trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
 
@@ -91,6 +95,15 @@ class Profile:
         # at the smallest measured size's cost (once the cap was measured dear, every smaller size looked as
         # dear and was never tried).
         return _lookup({0: 0.0} | self._settled(key, self.draft.get(key, {})), size) if size else 0.0
+
+    def population(self, key: str) -> "Acceptance":
+        """The acceptance of every row drafted for under ``key`` (a drafter and the rule judging it, see
+        ``population_key``), which a new row starts from: counts that fade by ``POPULATION_MEMORY`` a step, so
+        about the last thousand steps count. Kept with the profile, so a process's first answer starts from
+        what earlier answers drafted, not from ``PRIOR_ACCEPTANCE``."""
+        if key not in self.populations:
+            self.populations[key] = Acceptance(memory=POPULATION_MEMORY)
+        return self.populations[key]
 
     def outside_ms(self, rows: int = 1) -> float:
         """S(rows): what a step of ``rows`` rows that drafts nothing spends outside its forward."""
@@ -132,16 +145,25 @@ class Profile:
                 "draft": {key: settled(key, sizes) for key, sizes in self.draft.items()},
                 "batches": {str(rows): settled(_batch_key(rows), sizes)
                             for rows, sizes in sorted(self.batches.items())},
-                "outside": settled(OUTSIDE, self.outside)}
+                "outside": settled(OUTSIDE, self.outside),
+                "acceptance": {key: {"reached": {str(k): v for k, v in population.reached.items()},
+                                     "passed": {str(k): v for k, v in population.passed.items()}}
+                               for key, population in self.populations.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
         def sizes(measured: dict) -> dict[int, float]:
             return {int(k): float(v) for k, v in measured.items()}
 
+        def counts(by_breadth: dict) -> dict[int, list[float]]:
+            return {int(k): [float(x) for x in v] for k, v in by_breadth.items()}
+
+        populations = {key: Acceptance(counts(value.get("reached", {})), counts(value.get("passed", {})),
+                                       memory=POPULATION_MEMORY)
+                       for key, value in data.get("acceptance", {}).items()}
         return cls(sizes(data.get("target", {})), {key: sizes(value) for key, value in data.get("draft", {}).items()},
                    {int(rows): sizes(value) for rows, value in data.get("batches", {}).items()},
-                   sizes(data.get("outside", {})))
+                   sizes(data.get("outside", {})), populations)
 
 
 def _batch_key(rows: int) -> str:
@@ -185,12 +207,16 @@ class Acceptance:
 
     reached: dict[int, list[float]] = field(default_factory=dict)  # breadth -> per depth
     passed: dict[int, list[float]] = field(default_factory=dict)
+    population: "Acceptance | None" = None  # the drafter's acceptance over every row so far: this row's prior
+    memory: float = MEMORY  # how much of its counts a step keeps
 
     def rate(self, depth: int, breadth: int = 1) -> float:
-        """a_depth(breadth) (depth 1: the first draft)."""
+        """a_depth(breadth) (depth 1: the first draft), from the row's counts and its prior: the drafter's
+        population's rate where it has one, else ``PRIOR_ACCEPTANCE`` widened to the breadth."""
         i = depth - 1
         reached, passed = self.reached.get(breadth, []), self.passed.get(breadth, [])
-        prior = widened(PRIOR_ACCEPTANCE, breadth)
+        prior = self.population.rate(depth, breadth) if self.population is not None else \
+            widened(PRIOR_ACCEPTANCE, breadth)
         return ((passed[i] if i < len(passed) else 0.0) + prior * PRIOR_WEIGHT) / \
             ((reached[i] if i < len(reached) else 0.0) + PRIOR_WEIGHT)
 
@@ -207,13 +233,15 @@ class Acceptance:
         row that stopped drafting after a poor stretch drifts back to the prior and tries again (with counts
         that only faded when it drafted, one bad stretch stopped a row's drafting for the rest of its answer)."""
         for counts in (*self.reached.values(), *self.passed.values()):
-            counts[:] = [value * MEMORY for value in counts]
+            counts[:] = [value * self.memory for value in counts]
 
     def record(self, proposed: int, ranks: list[int], breadth: int = 1) -> None:
         """A step that drafted ``proposed`` deep, ``breadth`` children per node, and kept a path whose nodes
         were their parents' ``ranks``-th most likely children (1: the likeliest; a chain's are all 1). For each
         breadth k up to ``breadth``, the path a k-wide draft keeps is the prefix of ranks <= k: depths 1 .. its
-        length + 1 were reached (if drafted), 1 .. its length passed."""
+        length + 1 were reached (if drafted), 1 .. its length passed. The population learns it too."""
+        if self.population is not None:
+            self.population.record(proposed, ranks, breadth)
         self.fade()
         for k in range(1, breadth + 1):
             kept = next((i for i, rank in enumerate(ranks) if rank > k), len(ranks))
@@ -273,6 +301,12 @@ class Option:
     def key(self, breadth: int = 1) -> str:
         """Whose drafting costs a draft of this breadth adds to: the drafter's chains or its trees that wide."""
         return draft_key(self.drafter, breadth)
+
+
+def population_key(drafter: str, method: str, threshold: float, greedy: bool) -> str:
+    """Whose acceptance a row adds to: a drafter, judged by a rule (a fuzzy rule's threshold changes what passes),
+    greedy or sampled."""
+    return f"{drafter}|{method}|{threshold:g}|{'greedy' if greedy else 'sampled'}"
 
 
 def draft_key(drafter: str, breadth: int) -> str:

@@ -102,12 +102,15 @@ class Draft:
         return [sum(parent == self.parent_ids[node] for parent in self.parent_ids[:node]) + 1 for node in path]
 
     def ancestors(self) -> Tensor:
-        """[n, n] bool, on the CPU: entry (i, j) is True when node j is node i or one of its ancestors."""
-        mask = torch.eye(len(self), dtype=torch.bool)
+        """[n, n] bool, on the CPU: entry (i, j) is True when node j is node i or one of its ancestors. (Made as
+        lists, then one tensor: a tensor operation per node costs a few microseconds each, tens on some hosts.)"""
+        n = len(self)
+        rows: list[list[bool]] = []
         for i, parent in enumerate(self.parent_ids):
-            if parent >= 0:
-                mask[i] |= mask[parent]
-        return mask
+            row = list(rows[parent]) if parent >= 0 else [False] * n
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool).reshape(n, n)
 
     def widened(self, rows: Tensor | slice = slice(None)) -> tuple[Tensor, Tensor]:
         """(logits, q) of ``rows`` over the target's vocabulary: -inf and 0 outside a reduced vocabulary."""

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .config import DecodeConfig
-from .cost import Acceptance, Option, draft_key, plan
+from .cost import Acceptance, Option, draft_key, plan, population_key
 from .draft import Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
@@ -175,6 +175,10 @@ class Engine:
             row = Row(config, drafter, job.on_tokens, generator, Stats(method=config.method), time.perf_counter(),
                       input_ids, input_ids.shape[1], config.size_cap, config.tree_top_k if config.tree else 1,
                       slot, logprobs=job.logprobs)
+            if drafter is not None and config.gamma_schedule == "cost":  # its estimates start from what the
+                # drafter's earlier rows met
+                row.acceptance.population = self.step_fn.profile.population(population_key(
+                    drafter.name, config.method, config.threshold, config.sampling.greedy))
             row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
             self.slots[slot] = row
             added.append(row)

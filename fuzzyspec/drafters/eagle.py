@@ -172,15 +172,18 @@ class EagleDrafter(BaseDrafter):
             expand = sorted(frontier, key=lambda node: -scores[node])[:top_k]
             if not expand:
                 break
-            allowed = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool)  # on the host
-            allowed[:, :base] = True
-            slot = {node: base + i for i, node in enumerate(in_cache)}
+            # What each expanded node sees past the true positions: its ancestors (in the cache) and itself; made as
+            # lists on the host, then one tensor (an indexing operation per ancestor cost tens of microseconds each
+            # on a GPU machine's host)
+            slot = {node: i for i, node in enumerate(in_cache)}
+            seen = [[False] * (len(in_cache) + len(expand)) for _ in expand]
             for row, node in enumerate(expand):
                 ancestor = parents[node]
                 while ancestor >= 0:
-                    allowed[row, slot[ancestor]] = True
+                    seen[row][slot[ancestor]] = True
                     ancestor = parents[ancestor]
-                allowed[row, base + len(in_cache) + row] = True
+                seen[row][len(in_cache) + row] = True
+            allowed = torch.cat([torch.ones(len(expand), base, dtype=torch.bool), torch.tensor(seen)], 1)
             positions = upload([[base - 1 + depths[node] for node in expand]], sequence.device)
             features = torch.stack([hidden_of[parents[node]] for node in expand])[None]
             hidden = self.step(self.cache, upload([[tokens[node] for node in expand]], sequence.device), features,

@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.cost import MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TRIALS, Acceptance, Option, Profile, plan
+from fuzzyspec.core.cost import (MEMORY, POPULATION_MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TRIALS, Acceptance, Option,
+                                  Profile, plan, population_key)
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
@@ -300,3 +301,32 @@ def test_a_draft_is_priced_at_all_it_adds_to_a_step(monkeypatch):
     decode(step, ModelDrafter(tiny_llama(seed=6), V), prompt, config, V)
     assert min(step.profile.draft["ModelDrafter:chain"].values()) > 25
     assert Profile.from_dict(json.loads(json.dumps(step.profile.to_dict()))).outside == step.profile.outside
+
+
+def test_a_new_row_starts_from_what_the_drafters_earlier_rows_met():
+    """A row's prior is its drafter's acceptance over earlier rows under the same rule (kept with the profile, so a
+    process's first answer starts from it too), not a fixed 0.6 at every depth: a drafter whose second drafts
+    pass far less often than its first no longer sends every new row into deep drafts for its first steps."""
+    profile = Profile()
+    population = profile.population(population_key("d", "sd", 0.0, True))
+    first = Acceptance(population=population)
+    assert first.rate(1) == PRIOR_ACCEPTANCE  # nothing learnt yet: the fixed prior
+    for step in range(400):  # first drafts pass 60% of the time, second ones (after a first passed) 1 in 9
+        passed = 0 if step % 5 >= 3 else 2 if step % 15 == 0 else 1
+        first.record(proposed=2, ranks=[1] * passed)
+    assert population.reached[1][0] > 300  # (fading by POPULATION_MEMORY a step)
+    second = Acceptance(population=profile.population(population_key("d", "sd", 0.0, True)))
+    assert abs(second.rate(1) - 0.6) < 0.02 and second.rate(2) < 0.25
+    assert Acceptance(population=profile.population(population_key("d", "fsd", 0.3, True))).rate(2) == PRIOR_ACCEPTANCE
+    kept = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    again = Acceptance(population=kept.population(population_key("d", "sd", 0.0, True)))
+    assert math.isclose(again.rate(2), second.rate(2)) and kept.populations[population_key("d", "sd", 0.0, True)].memory \
+        == POPULATION_MEMORY
+
+
+def test_the_engine_files_each_rows_acceptance_under_its_drafter_and_rule(target, draft):
+    step = TargetStep(target)
+    config = DecodeConfig(method="sd", gamma=2, max_new_tokens=12, gamma_schedule="cost")
+    decode(step, ModelDrafter(draft, V), torch.tensor([[1, 2, 3]]), config, V)
+    (key, population), = step.profile.populations.items()
+    assert key == population_key("ModelDrafter", "sd", config.threshold, True) and population.reached[1][0] > 0
