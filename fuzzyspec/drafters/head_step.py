@@ -9,8 +9,9 @@ one decoder layer) as one function of tensors over a ``HeadCache`` of fixed capa
 as the target's step (``core.step.decoder_layer``). Through transformers' decoder layer a draft call was about 60
 eager operations and their Python around one token's worth of products: 1.06 ms of an 8.3 ms compiled int4 step
 on a 2-core CPU (a 1-token chain, 2026-11-26), and on a GPU each eager operation costs a launch. With fixed shapes
-the call compiles: at a few widths (T padded up, the padding written past ``length`` and never attended to) and
-cache capacities, a call is one graph's run (on a GPU, CUDA graphs' replay).
+the call compiles: at a few widths (T padded up, the padding written past ``length`` and never attended to), each
+graph serving every cache capacity (a dimension dynamo keeps symbolic), a call is one graph's run (on a GPU, CUDA
+graphs' replay).
 
 ``ModuleStep`` calls any other head (EAGLE-3, or a layer family our step does not cover) as its own module does,
 over a ``DraftCache``.
@@ -60,7 +61,7 @@ class HeadStep:
         self.dtype, self.device = weight.dtype, weight.device
         self.graphs = weight.device.type == "cuda"
         self._compiled: Compiled | None = None
-        self._calls: set[tuple] = set()  # (width, capacity) run compiled so far
+        self._calls: set[tuple] = set()  # (width, features' dtype) run compiled so far
 
     @staticmethod
     def supports(head: nn.Module) -> bool:
