@@ -362,6 +362,11 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
     pair.step.on_compile = lambda rows, width: print(
         f"fuzzyspec: compiling the target's step for {rows} row{'s' if rows > 1 else ''} x {width} "
         f"token{'s' if width > 1 else ''} (once per shape on this machine) ...", file=sys.stderr, flush=True)
+    if compile and pair.draft is not None and pair.draft.prepare is not None:  # (an EAGLE head's own steps)
+        from .core.kvcache import HEAD_CAPACITY
+
+        print("fuzzyspec: compiling the drafter's step (a few seconds) ...", file=sys.stderr, flush=True)
+        pair.draft.prepare(HEAD_CAPACITY)
     return pair
 
 

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fuzzyspec.cli import main
 
@@ -60,6 +61,22 @@ def test_vocabulary_mismatch(capsys, tiny_dirs):
 def test_trees_need_an_eagle_head(capsys, tiny_dirs):
     fails_cleanly(capsys, ["generate", "hi", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--tree"],
                   "--tree needs a drafter that drafts trees")
+
+
+def test_a_compiled_generate_compiles_the_eagle_heads_step_first(capsys, tiny_dirs, tmp_path):
+    """With --compile an EAGLE head's own steps compile before the answer, with a line saying so (the target's
+    shapes then compile as the answer meets them, each with its own line)."""
+    from transformers import AutoModelForCausalLM
+
+    from fuzzyspec.drafters.eagle_head import EagleHead
+
+    torch.manual_seed(0)
+    EagleHead.for_target(AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])).save(tmp_path / "head")
+    assert main(["generate", "hello there", "--target", tiny_dirs["target"], "--draft", f"eagle:{tmp_path / 'head'}",
+                 "--tree", "--compile", "--max-new-tokens", "6", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["stats"]["new_tokens"] == 6
+    assert 0 <= err.find("compiling the drafter's step") < err.find("compiling the target's step")
 
 
 def test_bad_self_draft(capsys, tiny_dirs):
