@@ -2,7 +2,7 @@
 fixed 1-token chain, every variant decoding every prompt in turn (interleaved, the starting one rotating), each
 with its own copy of the cost profile (measured as it runs, from the same start).
 
-A variant is ``ar``, ``chain1`` (every step a 1-token EAGLE chain), or ``+``-joined changes to the planner as
+A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), or ``+``-joined changes to the planner as
 shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
 EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``chains``
 (chains only, no trees), ``fixedprior`` (every row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the
@@ -59,8 +59,8 @@ def apply(variant: str) -> dict:
         return {"method": "ar"}
     options = {}
     for part in variant.split("+"):
-        if part == "chain1":
-            options |= {"tree": False, "gamma": 1, "gamma_schedule": "constant", "method": "sd"}
+        if part.startswith("chain") and part[5:].isdigit():  # every step an N-token chain
+            options |= {"tree": False, "gamma": int(part[5:]), "gamma_schedule": "constant", "method": "sd"}
         elif part in ("q8rows", "hfhead"):
             continue  # (its own job: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
