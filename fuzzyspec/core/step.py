@@ -66,6 +66,14 @@ class Heads:
         return self.count * self.dim, self.kv * self.dim, self.kv * self.dim
 
 
+def llama_layers(config, layers) -> bool:
+    """Whether ``layers`` (of a model with this ``config``) are Llama-family decoder layers as transformers writes
+    them, with no sliding window in play: what ``decoder_layer`` runs."""
+    return (config.model_type in LLAMA_FAMILY and not getattr(config, "sliding_window", None)
+            and getattr(config, "hidden_act", "silu") == "silu"
+            and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers))
+
+
 def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """transformers' RMSNorm, in float32 with the weight applied after casting back (an ``nn.Identity``, as an
     EAGLE head's dropped input norm is, passes ``x`` through)."""
@@ -142,11 +150,8 @@ class LlamaForward(nn.Module):
     @staticmethod
     def supports(model: nn.Module) -> bool:
         """Llama-family decoders laid out as transformers' Llama (and with no sliding window in play)."""
-        config = model.config
         decoder = getattr(model, "model", None)
-        return (config.model_type in LLAMA_FAMILY and decoder is not None and hasattr(decoder, "layers")
-                and not getattr(config, "sliding_window", None) and getattr(config, "hidden_act", "silu") == "silu"
-                and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in decoder.layers))
+        return decoder is not None and hasattr(decoder, "layers") and llama_layers(model.config, decoder.layers)
 
     def forward(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
                 slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = ()
@@ -298,7 +303,6 @@ class TargetStep:
         self.graphs = compile and graphs and on_gpu
         self._compiled: Compiled | None = None
         self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
-        self._calls: set[tuple] = set()  # what told the compiled calls so far apart (see __call__)
         self._every_layer = tuple(range(self.layer_count + 1))
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
         self.compiling = False  # whether the last call may have compiled (its time then is not a step's cost)
@@ -344,17 +348,15 @@ class TargetStep:
         call = (tuple(tokens.shape), tuple(mask.shape), tuple(cache.keys[0].shape), cache.keys[0].dtype,
                 None if slots is None else tuple(slots.shape), keep, torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled())
-        seen = call in self._calls
-        self.compiling = not seen  # this call may compile a graph: its time is not a step's
         if (*tokens.shape, cache.capacity) not in self._shapes and self.on_compile is not None:
             self.on_compile(*tokens.shape)
         self._shapes.add((*tokens.shape, cache.capacity))
-        self._calls.add(call)
         # One graph per shape serves every row, whichever layers its drafter reads: the graph returns every
         # layer's hidden state (each exists anyway, as the residual stream) and the caller's are picked here.
         arguments = (cache, tokens, positions, write, mask, slots, keep, self._every_layer)
-        logits, found = self._compiled_forward()(seen, *arguments)
-        self.compiling |= self._compiled.compiled_again
+        runner = self._compiled_forward()
+        logits, found = runner(call, *arguments)
+        self.compiling = runner.compiling  # (then its time is not a step's)
         if self.graphs:  # a replay's outputs live in the graphs' memory, which the next replay overwrites
             return logits.clone(), {i: found[i].clone() for i in features}
         return logits, {i: found[i] for i in features}
@@ -366,9 +368,10 @@ class TargetStep:
 
 
 class Compiled:
-    """``function`` compiled as steps are (the target's, an EAGLE head's): one graph per shape (``dynamic=False``),
-    on a GPU captured as CUDA graphs where ``graphs`` (inductor's "reduce-overhead"; a caller copies what it keeps
-    of the outputs before the next call, whose replay overwrites them)."""
+    """``function`` compiled as steps are (the target's, an EAGLE head's): one graph per shape (``dynamic=False``;
+    a caller may mark a dimension dynamic), on a GPU captured as CUDA graphs where ``graphs`` (inductor's
+    "reduce-overhead"; a caller copies what it keeps of the outputs before the next call, whose replay overwrites
+    them)."""
 
     def __init__(self, function: Callable, device: torch.device, graphs: bool = False) -> None:
         import torch._dynamo.config as dynamo
@@ -385,15 +388,18 @@ class Compiled:
         # (caches' tensors are marked static, ``kvcache._static``: graphs write into them in place)
         self.graphs = graphs
         self.function = torch.compile(function, dynamic=False, mode="reduce-overhead" if graphs else None)
-        self.compiled_again = False  # whether the last call found its guards failing and ran fully checked
+        self.seen: set[tuple] = set()  # the keys of the calls run so far
+        self.compiling = False  # whether the last call may have compiled a graph
 
-    def __call__(self, seen: bool, *arguments):
-        """The compiled function's result. ``seen``: a call like this one (the same shapes and Python values) ran
-        before. Checking all of dynamo's guards costs about 0.8 ms a call on a 30-layer target (its frozen
-        weights); a call like one already run checks only the guards that tell the graphs apart. Where those find
-        no graph (something the caller's key does not hold changed), dynamo refuses rather than guess, and the
-        call runs fully checked."""
-        self.compiled_again = False
+    def __call__(self, key: tuple, *arguments):
+        """The compiled function's result. ``key``: what tells this call's graph apart (shapes, dtypes, Python
+        values). Checking all of dynamo's guards costs about 0.8 ms a call on a 30-layer target (its frozen
+        weights); a call whose key was seen before checks only the guards that tell the graphs apart. Where those
+        find no graph (something the key does not hold changed), dynamo refuses rather than guess, and the call
+        runs fully checked."""
+        seen = key in self.seen
+        self.seen.add(key)
+        self.compiling = not seen
         if self.graphs:  # each call is a new run of the graphs: what the last one returned is no longer read
             torch.compiler.cudagraph_mark_step_begin()
         try:
@@ -402,7 +408,7 @@ class Compiled:
         except RuntimeError as error:
             if not seen or "skip_guard_eval_unsafe" not in str(error):
                 raise
-            self.compiled_again = True
+            self.compiling = True
             return self.function(*arguments)
 
 

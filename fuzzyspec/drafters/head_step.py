@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..core.host import upload
 from ..core.kvcache import DraftCache, HeadCache
-from ..core.step import LLAMA_FAMILY, Compiled, Heads, decoder_layer, packed
+from ..core.step import Compiled, Heads, decoder_layer, llama_layers, packed
 from .eagle_head import EagleHead
 
 WIDTHS = (1, 2, 4, 8)  # compiled widths of a head call: a chain step (1), the accepted tokens, a tree level
@@ -60,18 +60,12 @@ class HeadStep:
         self.heads = Heads.of(head.config, weight)
         self.dtype, self.device = weight.dtype, weight.device
         self.graphs = weight.device.type == "cuda"
-        self._compiled: Compiled | None = None
-        self._calls: set[tuple] = set()  # (width, features' dtype) run compiled so far
+        self._compiled: Compiled | None = None  # its calls keyed by (width, features' dtype)
 
     @staticmethod
     def supports(head: nn.Module) -> bool:
         """An EAGLE-1/2 head whose layer is a Llama-family decoder layer as transformers writes it."""
-        if not isinstance(head, EagleHead):
-            return False
-        config, layer = head.config, head.layers[0]
-        return (config.model_type in LLAMA_FAMILY and not getattr(config, "sliding_window", None)
-                and getattr(config, "hidden_act", "silu") == "silu" and hasattr(layer, "self_attn")
-                and hasattr(layer, "mlp"))
+        return isinstance(head, EagleHead) and llama_layers(head.config, head.layers)
 
     def new_cache(self, capacity: int = 0) -> HeadCache:
         return HeadCache(self.heads.kv, self.heads.dim, self.dtype, self.device, capacity)
@@ -118,14 +112,12 @@ class HeadStep:
         else:
             if self._compiled is None:
                 self._compiled = Compiled(self.forward, self.device, self.graphs)
-            call = (run, features.dtype)
             arguments = tuple(packed(t) for t in arguments)  # (a slice's strides would compile a graph of its own)
             # One graph serves every capacity: the cache's length is a symbol in it (a long prompt's cache, doubled
             # past the capacities compiled ahead, otherwise compiled anew inside its answer)
             for tensor, dim in ((arguments[0], 2), (arguments[1], 2), (arguments[-1], 3)):
                 torch._dynamo.mark_dynamic(tensor, dim)
-            hidden = self._compiled(call in self._calls, *arguments)
-            self._calls.add(call)
+            hidden = self._compiled((run, features.dtype), *arguments)
             if self.graphs:  # the next replay overwrites it
                 hidden = hidden.clone()
         cache.length = start + width

@@ -64,7 +64,7 @@ def test_head_step_equals_the_heads_own_layer(model, head, compiled):
         calls(step, step.new_cache(), tokens, features, compiled)
     assert cache.capacity == 2 * HEAD_CAPACITY and cache.length == HEAD_CAPACITY + 2 and grown.shape[1] == 3
     if compiled:  # shapes met again compile nothing: not a larger cache, nor slices of a longer row (their strides)
-        assert {width for width, _ in step._calls} <= set(WIDTHS)
+        assert {width for width, _ in step._compiled.seen} <= set(WIDTHS)
         assert counters["stats"]["unique_graphs"] == graphs
 
 
