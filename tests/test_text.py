@@ -44,3 +44,26 @@ def test_a_partial_stop_string_is_not_shown_early(tokenizer):
     shown = stream.push(tokenizer("go ST")["input_ids"])
     assert "ST" not in shown
     assert stream.finish() == "ST"  # no stop came: the held text is released at the end
+
+
+def test_each_push_decodes_only_the_newest_tokens(tokenizer):
+    """A long answer streams as decoding it whole reads, in chunks of any size, while each push decodes a window
+    of the newest tokens, not the whole answer again (which grew quadratically with the answer's length)."""
+    text = ("Héllo, wörld! 東京 is big 🎉 and so on. " * 8 + "def f(x):\n    return x ** 2  # ok\n" * 8) * 3
+    ids = tokenizer(text)["input_ids"]
+    decoded = []
+    original = tokenizer.decode
+
+    class Counting:  # the tokenizer, recording how many ids each decode reads
+        def decode(self, tokens, **options):
+            decoded.append(len(tokens))
+            return original(tokens, **options)
+
+    stream = TextStream(Counting())
+    shown, start, size = "", 0, 1
+    while start < len(ids):
+        shown += stream.push(ids[start: start + size])
+        start, size = start + size, size % 4 + 1
+    shown += stream.finish()
+    assert shown == stream.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 400 and max(decoded[:-1]) <= 16  # (the last decode is finish's, of everything once)
