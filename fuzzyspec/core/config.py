@@ -161,15 +161,19 @@ class DecodeConfig:
         the tree's are)."""
         if self.method == "ar" or size < 1:
             return None
-        if self.draft_only:
-            return Budget(min(size, remaining), None, self.draft_confidence, self.greedy_drafts)
+        if self.draft_only:  # nothing judges the draft
+            return Budget(min(size, remaining), None, self.draft_confidence, self.greedy_drafts, False)
         if remaining < 2:
             return None
         breadth = min(breadth or self.tree_top_k, self.tree_top_k) if self.tree else 1
         if breadth == 1:  # a tree's drafts are its draft's likeliest tokens, so are a one-wide tree's
-            return Budget(min(size, remaining - 1), None, self.draft_confidence, self.greedy_drafts or self.tree)
+            greedy = self.greedy_drafts or self.tree
+            # SD's test reads a chain's distributions where it was drawn from them (``Draft.sampled``)
+            sampled = not (greedy or self.sampling.greedy)
+            return Budget(min(size, remaining - 1), None, self.draft_confidence, greedy, self.fuzzy or sampled)
         tree = (tree_nodes(size, self.tree_total_tokens, breadth), size, breadth)
-        return Budget(min(self.gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts)
+        # SD on a tree tests its tokens against the target's distribution alone
+        return Budget(min(self.gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts, self.fuzzy)
 
 
 def tree_nodes(depth: int, total: int, top_k: int) -> int:

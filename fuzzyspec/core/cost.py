@@ -91,10 +91,13 @@ class Profile:
         return min([_lookup(measured, width)] + [ms for wider, ms in measured.items() if wider > width])
 
     def draft_ms(self, key: str, size: int) -> float:
-        # Drafting nothing costs nothing: a size below every measured one is interpolated from zero, not taken
-        # at the smallest measured size's cost (once the cap was measured dear, every smaller size looked as
-        # dear and was never tried).
-        return _lookup({0: 0.0} | self._settled(key, self.draft.get(key, {})), size) if size else 0.0
+        return _lookup(self.draft_costs(key), size) if size else 0.0
+
+    def draft_costs(self, key: str) -> dict[int, float]:
+        """The settled sizes of ``key``'s drafting and their costs, for ``_lookup``. Drafting nothing costs nothing:
+        a size below every measured one is interpolated from zero, not taken at the smallest measured size's cost
+        (once the cap was measured dear, every smaller size looked as dear and was never tried)."""
+        return {0: 0.0} | self._settled(key, self.draft.get(key, {}))
 
     def population(self, key: str) -> "Acceptance":
         """The acceptance of every row drafted for under ``key`` (a drafter and the rule judging it, see
@@ -360,5 +363,6 @@ def _candidates(option: Option, acceptance: Acceptance, profile: Profile
                 ) -> list[tuple[tuple[int, int], float, int, float]]:
     """(shape, expected tokens, nodes, drafting ms) of every shape ``option`` may draft (``Option.shapes``)."""
     expected = {breadth: acceptance.expected(option.cap, breadth) for breadth in option.breadths()}
+    costs = {breadth: profile.draft_costs(option.key(breadth)) for breadth in option.breadths()}
     return [((depth, breadth), expected[breadth][depth], option.nodes(depth, breadth),
-             profile.draft_ms(option.key(breadth), depth)) for depth, breadth in option.shapes()]
+             _lookup(costs[breadth], depth) if depth else 0.0) for depth, breadth in option.shapes()]

@@ -25,13 +25,16 @@ class Budget:
     node) for drafters that draft trees, or None for a chain. ``min_confidence``: stop a chain
     before a token whose draft distribution's top probability is below it (the first token is
     always proposed). ``greedy``: propose the draft's most likely tokens even when sampling (the
-    draft is then deterministic, and its ``Draft`` is not ``sampled``).
+    draft is then deterministic, and its ``Draft`` is not ``sampled``). ``distributions``: whether the row's
+    rule reads the draft's distributions (``Draft.q`` and ``logits``: fuzzy rules, and SD on sampled chains);
+    where it does not, a drafter may leave them out (a greedy chain then needs no softmax at all).
     """
 
     tokens: int
     tree: tuple[int, int, int] | None = None
     min_confidence: float = 0.0
     greedy: bool = False
+    distributions: bool = True
 
 
 @dataclass

@@ -63,15 +63,28 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
     """Apply the row's rule to its draft, given the target's logits [n + 1, V] at the root and every node."""
     sampling = config.sampling
     rule = "sd" if config.method == "ar" else config.method
-    fuzzy = rule in FUZZY
-    # Greedy exact decoding reads only argmaxes: the logits' own, as a row with no drafts takes its next token
-    # (a softmax over the vocabulary per row cost time, and where two logits round to one probability its argmax
-    # could pick another token than AR's).
-    p = logits.float() if sampling.greedy and not fuzzy else sampling.probs(logits)
     n = len(draft) if draft is not None else 0
+    if rule == "sd" and sampling.greedy:
+        # Greedy exact decoding reads only argmaxes, the logits' own (as a row with no drafts takes its next token:
+        # a softmax over the vocabulary would cost time, and where two logits round to one probability its argmax
+        # could pick another token than AR's). One operation on the device, then the walk on the host, for chains
+        # and trees alike.
+        ahead = logits.argmax(-1)
+        if n == 0:
+            return Pending(ahead[:1], next_token_only)
+        known = ahead.shape[0]
+        proposed = n if draft.is_chain else max(draft.depths)
+
+        def finish_greedy(values: list[int]) -> Verdict:
+            drafted, ahead = values[known:], values[:known]
+            path, token = walk(rule, draft, logits, None, config.threshold, True, tokens=drafted, argmax=ahead)
+            return Verdict(path, token, proposed, None, drafted)
+
+        return Pending(torch.cat([ahead, draft.tokens]).long(), finish_greedy)
+    fuzzy = rule in FUZZY
+    p = sampling.probs(logits)
     if n == 0:
-        token = p[:1].argmax(-1) if sampling.greedy else sample(p[0], generator).view(1)
-        return Pending(token, next_token_only)
+        return Pending(sample(p[0], generator).view(1), next_token_only)
     d = None
     if draft.is_chain:
         if fuzzy:
@@ -83,18 +96,17 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
         values = torch.cat([accepted.view(1), token.view(1), draft.tokens]).long()
         return Pending(values, lambda values: Verdict(list(range(values[0])), values[1], n, d, values[2:]))
     depth = max(draft.depths)
-    if rule == "sd":  # one read: p's argmax at every row (greedy), or every row's test decided at once (sampled)
-        ahead = p.argmax(-1) if sampling.greedy else decide_exactly(draft, p, generator)
-        known = ahead.shape[0]
+    if rule == "sd":  # one read: every row's test decided at once
+        decisions = decide_exactly(draft, p, generator)
+        known = decisions.shape[0]
 
         def finish(values: list[int]) -> Verdict:
-            drafted, ahead = values[known:], values[:known]
-            path, token = walk(rule, draft, p, None, config.threshold, sampling.greedy, tokens=drafted,
-                               argmax=ahead if sampling.greedy else None,
-                               decisions=None if sampling.greedy else ahead)
+            drafted = values[known:]
+            path, token = walk(rule, draft, p, None, config.threshold, False, tokens=drafted,
+                               decisions=values[:known])
             return Verdict(path, token, depth, None, drafted)
 
-        return Pending(torch.cat([ahead, draft.tokens]).long(), finish)
+        return Pending(torch.cat([decisions, draft.tokens]).long(), finish)
     lazy = None
     if fuzzy:
         if draft.q is None:

@@ -102,7 +102,7 @@ class EagleDrafter(BaseDrafter):
             return None
         hidden = self._root(sequence)
         if budget.tree is not None:
-            return self._tree(sequence, hidden, budget.tree, sampling)
+            return self._tree(sequence, hidden, budget.tree, sampling, budget.distributions)
 
         def advance(token: Tensor) -> Tensor:
             nonlocal hidden
@@ -132,8 +132,10 @@ class EagleDrafter(BaseDrafter):
         logits = self._head_logits(hidden)
         return logits if self.vocab is not None else logits[..., : self.vocab_size]
 
-    def _tree(self, sequence: Tensor, root_hidden: Tensor, shape: tuple[int, int, int], sampling: Sampling) -> Draft:
-        """An EAGLE-2 dynamic tree below the newest token (see the class docstring)."""
+    def _tree(self, sequence: Tensor, root_hidden: Tensor, shape: tuple[int, int, int], sampling: Sampling,
+              distributions: bool = True) -> Draft:
+        """An EAGLE-2 dynamic tree below the newest token (see the class docstring); its nodes' distributions
+        kept where ``distributions`` (the rule reads them)."""
         total, max_depth, top_k = shape
         base = self.cache.get_seq_length()  # head positions from true features; tree nodes go after them
         root_logits = self._logits(root_hidden[:, -1])[0]
@@ -210,12 +212,14 @@ class EagleDrafter(BaseDrafter):
         order = sorted(kept_set, key=lambda node: (depths[node], -scores[node]))
         new_index = {node: i for i, node in enumerate(order)}
         device = sequence.device
+        tokens_kept = upload([tokens[node] for node in order], device)
+        parents_kept = torch.tensor([new_index.get(parents[node], -1) for node in order])
+        if not distributions:
+            return Draft(tokens_kept, parents_kept, vocab=self.vocab)
         # each kept node's row (a leaf's: zeros, after the last level), gathered at once rather than copied one by one
         blank = sum(map(len, level_q))
         rows = upload([0] + [row_of.get(node, blank) for node in order], root_q.device)
         zeros = root_q.new_zeros(1, root_q.shape[-1])
         q = torch.cat([*level_q, zeros]).float().index_select(0, rows)
         logits = torch.cat([*level_logits, zeros]).float().index_select(0, rows)
-        return Draft(upload([tokens[node] for node in order], device),
-                     torch.tensor([new_index.get(parents[node], -1) for node in order]),
-                     q, logits, self.vocab, sampled=False)
+        return Draft(tokens_kept, parents_kept, q, logits, self.vocab, sampled=False)

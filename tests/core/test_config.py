@@ -4,6 +4,7 @@ import math
 import pytest
 
 from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.drafters.registry import DrafterSpec
 from fuzzyspec.options import BY_NAME, DEFAULT_DRAFT, OptionError
 
@@ -66,3 +67,22 @@ def test_direct_construction_checks_too():
     with pytest.raises(OptionError, match="gamma must be >= 1"):
         DecodeConfig(gamma=0)
     assert DecodeConfig().method == BY_NAME["method"].default == "sd"
+
+
+def test_a_budget_asks_for_the_drafts_distributions_only_where_the_rule_reads_them():
+    """Fuzzy rules read a draft's distributions, and SD reads a chain's where it was drawn from them; a greedy
+    chain, a chain of likeliest tokens, an SD tree and a draft nothing judges need none."""
+    greedy, sampled = Sampling(temperature=0), Sampling(temperature=0.8)
+
+    def reads(size=3, breadth=None, **options) -> bool:
+        return DecodeConfig(**options).budget(size, 50, breadth).distributions
+
+    assert not reads(method="sd", sampling=greedy)
+    assert reads(method="sd", sampling=sampled)
+    assert not reads(method="sd", sampling=sampled, greedy_drafts=True)
+    assert reads(method="fsd", threshold=0.3, sampling=greedy)
+    assert reads(method="fsd-hybrid", threshold=0.3, sampling=sampled, greedy_drafts=True)
+    assert not reads(method="sd", tree=True, sampling=sampled)
+    assert not reads(method="sd", tree=True, sampling=sampled, breadth=1)  # a one-wide tree: likeliest tokens
+    assert reads(method="fsd", threshold=0.3, tree=True, sampling=greedy)
+    assert not reads(method="fsd", threshold=math.inf, sampling=sampled)  # the draft decodes alone
