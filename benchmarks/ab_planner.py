@@ -4,7 +4,8 @@ with its own copy of the cost profile (measured as it runs, from the same start)
 
 A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), or ``+``-joined changes to the planner as
 shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
-EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``chains``
+EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``q4head`` (its
+EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``chains``
 (chains only, no trees), ``fixedprior`` (every row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the
 drafter's learnt prior, ``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
 0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26). The planner before that day is
@@ -19,6 +20,7 @@ Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompt
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -35,7 +37,7 @@ from fuzzyspec.core import cost, int4  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
-from fuzzyspec.drafters.head_step import ModuleStep  # noqa: E402
+from fuzzyspec.drafters.head_step import ModuleStep, head_step  # noqa: E402
 from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
@@ -50,6 +52,17 @@ def mean_fold(measured: dict[int, float], x: int, ms: float) -> None:
     measured[x] = ms if old is None else old + 0.2 * max(-old / 2, min(old / 2, ms - old))
 
 
+def four_bit(head: torch.nn.Module) -> torch.nn.Module:
+    """A copy of an EAGLE head whose 8-bit layers (Q8_0, as a 4-bit target's drafter reads them) are rounded to
+    Q4_1, as llama.cpp rounds a float weight."""
+    head = copy.deepcopy(head)
+    for parent in list(head.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, int4.Int8Linear):
+                setattr(parent, name, int4.Int4Linear.rounded(child.weight.detach()))
+    return head
+
+
 def apply(variant: str) -> dict:
     """Set the planner's constants for ``variant``; the decoding options it runs with."""
     for name, value in SHIPPED.items():
@@ -61,7 +74,7 @@ def apply(variant: str) -> dict:
     for part in variant.split("+"):
         if part.startswith("chain") and part[5:].isdigit():  # every step an N-token chain
             options |= {"tree": False, "gamma": int(part[5:]), "gamma_schedule": "constant", "method": "sd"}
-        elif part in ("q8rows", "hfhead"):
+        elif part in ("q8rows", "hfhead", "q4head"):
             continue  # (its own job: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
             Profile.population = lambda self, key: None
@@ -102,9 +115,10 @@ def main() -> None:
     lm_head = pair.target.get_output_embeddings()
     for variant in variants:
         parts = variant.split("+")
-        if "q8rows" not in parts and "hfhead" not in parts:
+        if "q8rows" not in parts and "hfhead" not in parts and "q4head" not in parts:
             continue
-        logits = head_logits(head, pair.target)
+        variant_head = four_bit(head) if "q4head" in parts else head
+        logits = head_logits(variant_head, pair.target)
         if "q8rows" in parts:
             # the default job, its drafter reading its LM head rows at 8 bits, as before 2026-11-26 (4 bits since)
             rows = lm_head.rows(head.vocab.target_ids) if isinstance(lm_head, int4.Int8Linear) else None
@@ -112,17 +126,24 @@ def main() -> None:
                 raise SystemExit("q8rows needs the int4 form (an 8-bit LM head)")
             logits = lambda out, rows=rows: rows(out).float()  # noqa: E731
 
-        def make(vocab_size: int, logits=logits, parts=parts) -> EagleDrafter:
-            drafter = EagleDrafter(head, pair.target, vocab_size, logits)
+        def make(vocab_size: int, logits=logits, parts=parts, variant_head=variant_head) -> EagleDrafter:
+            drafter = EagleDrafter(variant_head, pair.target, vocab_size, logits)
             if "hfhead" in parts:  # the head through transformers' layer, as before 2026-11-26
                 drafter.step = ModuleStep(head, embed)
             return drafter
 
-        jobs[variant] = ModelPair(pair.target, pair.tokenizer, DrafterSource(source.name, head, make, drafts_trees=True),
+        jobs[variant] = ModelPair(pair.target, pair.tokenizer,
+                                  DrafterSource(source.name, variant_head, make, drafts_trees=True,
+                                                prepare=head_step(variant_head, embed).prepare
+                                                if "q4head" in parts else None),
                                   step, None)
     prompts = everyday(args.prompts)
     if step.compile:
         tuning.prepare(job, job.config(**COMMON), (256, 512))
+        for variant in variants:  # a variant's own head compiles its own graphs, ahead as the shipped one's are
+            if jobs[variant].draft.prepare is not None and jobs[variant].draft is not source:
+                for capacity in (256, 512):
+                    jobs[variant].draft.prepare(capacity)
     start = step.profile.to_dict()
     profiles = {variant: Profile.from_dict(start) for variant in variants}
     for variant in variants:  # warm: each variant's first steps measure its profile's new sizes

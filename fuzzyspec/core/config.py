@@ -3,6 +3,7 @@ a request's options into it (the default job, the defaults, every check) for eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
@@ -176,6 +177,7 @@ class DecodeConfig:
         return Budget(min(self.gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts, self.fuzzy)
 
 
+@functools.lru_cache(maxsize=4096)  # (the planner asks for every shape it weighs, every step)
 def tree_nodes(depth: int, total: int, top_k: int) -> int:
     """The nodes an EAGLE-2 tree of this depth keeps: ``top_k`` children per expanded node and level,
     reranked down to ``total``."""

@@ -216,18 +216,22 @@ class Acceptance:
     def rate(self, depth: int, breadth: int = 1) -> float:
         """a_depth(breadth) (depth 1: the first draft), from the row's counts and its prior: the drafter's
         population's rate where it has one, else ``PRIOR_ACCEPTANCE`` widened to the breadth."""
-        i = depth - 1
+        return self.rates(depth, breadth)[-1]
+
+    def rates(self, cap: int, breadth: int = 1) -> list[float]:
+        """a_1(breadth) .. a_cap(breadth) (see ``rate``), worked out together (the planner reads them every step)."""
+        priors = self.population.rates(cap, breadth) if self.population is not None else \
+            [widened(PRIOR_ACCEPTANCE, breadth)] * cap
         reached, passed = self.reached.get(breadth, []), self.passed.get(breadth, [])
-        prior = self.population.rate(depth, breadth) if self.population is not None else \
-            widened(PRIOR_ACCEPTANCE, breadth)
-        return ((passed[i] if i < len(passed) else 0.0) + prior * PRIOR_WEIGHT) / \
-            ((reached[i] if i < len(reached) else 0.0) + PRIOR_WEIGHT)
+        counted = len(reached)
+        return [((passed[i] if i < counted else 0.0) + prior * PRIOR_WEIGHT) /
+                ((reached[i] if i < counted else 0.0) + PRIOR_WEIGHT) for i, prior in enumerate(priors)]
 
     def expected(self, cap: int, breadth: int = 1) -> list[float]:
         """E(g, breadth) for g = 0 .. cap: tokens a step yields with drafts g deep."""
         totals, chance = [1.0], 1.0
-        for depth in range(1, cap + 1):
-            chance *= self.rate(depth, breadth)
+        for rate in self.rates(cap, breadth):
+            chance *= rate
             totals.append(totals[-1] + chance)
         return totals
 
@@ -331,11 +335,15 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
     # under a profiler, 0.1 ms now unprofiled for trees up to 8 wide and 6 deep).
     tables = [_candidates(option, acceptance, profile) for option, acceptance in zip(options, acceptances)]
     outside = profile.outside_ms(rows)
-    forward: dict[int, float] = {}
+    forward: dict[int, float] = {}  # by nodes
+    padded: dict[tuple[int, int], float] = {}  # by the shape a step runs at (many node counts share one)
 
     def forward_ms(nodes: int) -> float:
         if nodes not in forward:
-            forward[nodes] = profile.target_ms(*shape(1 + nodes, rows))
+            runs_at = shape(1 + nodes, rows)
+            if runs_at not in padded:
+                padded[runs_at] = profile.target_ms(*runs_at)
+            forward[nodes] = padded[runs_at]
         return forward[nodes]
 
     chosen = [(0, 1)] * len(options)
