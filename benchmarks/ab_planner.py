@@ -5,7 +5,8 @@ with its own copy of the cost profile (measured as it runs, from the same start)
 A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), or ``+``-joined changes to the planner as
 shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
 EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``q4head`` (its
-EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``chains``
+EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``planN`` (the draft sizes planned every N steps;
+``plan1``: every step, as before ``engine.PLAN_EVERY``), ``chains``
 (chains only, no trees), ``fixedprior`` (every row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the
 drafter's learnt prior, ``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
 0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26). The planner before that day is
@@ -33,7 +34,7 @@ from bench_step import everyday  # noqa: E402 (this folder's module)
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
-from fuzzyspec.core import cost, int4  # noqa: E402
+from fuzzyspec.core import cost, engine, int4  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
@@ -43,6 +44,7 @@ from fuzzyspec.loading import cpu_isa  # noqa: E402
 
 SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold")}
 POPULATION = Profile.population
+SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -68,6 +70,7 @@ def apply(variant: str) -> dict:
     for name, value in SHIPPED.items():
         setattr(cost, name, value)
     Profile.population = POPULATION
+    engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
     if variant == "ar":
         return {"method": "ar"}
     options = {}
@@ -78,6 +81,8 @@ def apply(variant: str) -> dict:
             continue  # (its own job: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
             Profile.population = lambda self, key: None
+        elif part.startswith("plan") and part[4:].isdigit():  # plan every N steps (1: every step, as before
+            engine.PLAN_EVERY = int(part[4:])  # 2026-11-26's engine.PLAN_EVERY)
         elif part == "chains":
             options["tree"] = False
         elif part == "meanfold":

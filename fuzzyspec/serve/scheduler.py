@@ -224,10 +224,7 @@ class Scheduler:
             except Exception as error:  # a failing step fails its requests, not the server
                 if self.engine.shards > 1 and isinstance(error, torch.distributed.DistError):
                     error = parallel.ParallelError(parallel.describe(error))  # a peer's collective failed
-                if not isinstance(error, parallel.ParallelError):
-                    log.error("a decoding step failed; failing the %d requests in the batch", len(self.running),
-                              exc_info=error)
-                self._fail_all(error)
+                self._fail_all(error, during="a decoding step")
                 continue
             self.counters.steps += 1
             self.counters.recent.append((start, time.monotonic(), after - before))
@@ -337,8 +334,16 @@ class Scheduler:
         request.finish_reason = "error"
         request.events.put(("error", f"{type(error).__name__}: {error}"))
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Fail every running and waiting request and start over with an empty batch."""
+    def _fail_all(self, error: BaseException, during: str | None = None) -> None:
+        """Fail every running and waiting request and start over with an empty batch (``during``: what failed,
+        for the log, where it was not a lost rank)."""
+        if not isinstance(error, (parallel.ParallelError, Unavailable)):  # (shutting down: told to stop instead)
+            try:
+                self._tell("reset")
+            except parallel.ParallelError as lost:  # it failed because a rank is gone (gloo's error for a peer
+                error = lost  # lost inside the forward is a plain RuntimeError)
+        if during is not None and not isinstance(error, parallel.ParallelError):
+            log.error("%s failed; failing the %d requests in the batch", during, len(self.running), exc_info=error)
         for request, _, _ in list(self.running.values()):
             self._error(request, error)
         self.running.clear()
@@ -356,6 +361,4 @@ class Scheduler:
             if self.on_failure is not None:
                 self.on_failure()
             return
-        if not isinstance(error, Unavailable):  # shutting down, the followers are told to stop instead
-            self._tell("reset")
         self.engine = Engine(self.engine.step_fn, self.engine.vocab_size)
