@@ -67,3 +67,25 @@ def test_each_push_decodes_only_the_newest_tokens(tokenizer):
     shown += stream.finish()
     assert shown == stream.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert len(ids) > 400 and max(decoded[:-1]) <= 16  # (the last decode is finish's, of everything once)
+
+
+def test_a_sentencepiece_style_tokenizer_streams_its_leading_spaces():
+    """A Metaspace decoder (Llama's, SentencePiece's) drops a text's first leading space: decoded alone, a window
+    of the newest tokens would lose the space between words, so each is decoded after the tokens before it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sample = "The quick brown fox, Héllo wörld 東京 🎉 is big. "
+    model = Tokenizer(models.Unigram())
+    model.normalizer = normalizers.Replace(" ", "▁")
+    model.pre_tokenizer, model.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    model.train_from_iterator([sample] * 50, trainers.UnigramTrainer(vocab_size=120, special_tokens=["<unk>"],
+                                                                     unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>")
+    ids = tokenizer(sample * 5)["input_ids"]
+    # the hazard is real here: tokens decoded one by one lose the spaces between words
+    assert "".join(tokenizer.decode([i]) for i in ids) != tokenizer.decode(ids, skip_special_tokens=True)
+    for size in (1, 2, 3):
+        stream = TextStream(tokenizer)
+        shown = "".join(stream.push(ids[i: i + size]) for i in range(0, len(ids), size)) + stream.finish()
+        assert shown == tokenizer.decode(ids, skip_special_tokens=True)
