@@ -134,7 +134,7 @@ def main() -> None:
         def make(vocab_size: int, logits=logits, parts=parts, variant_head=variant_head) -> EagleDrafter:
             drafter = EagleDrafter(variant_head, pair.target, vocab_size, logits)
             if "hfhead" in parts:  # the head through transformers' layer, as before 2026-11-26
-                drafter.step = ModuleStep(head, embed)
+                drafter.step = ModuleStep(variant_head, embed)
             return drafter
 
         jobs[variant] = ModelPair(pair.target, pair.tokenizer,
