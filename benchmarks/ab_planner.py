@@ -147,8 +147,7 @@ def main() -> None:
         tuning.prepare(job, job.config(**COMMON), (256, 512))
         for variant in variants:  # a variant's own head compiles its own graphs, ahead as the shipped one's are
             if jobs[variant].draft.prepare is not None and jobs[variant].draft is not source:
-                for capacity in (256, 512):
-                    jobs[variant].draft.prepare(capacity)
+                jobs[variant].draft.prepare(256)
     start = step.profile.to_dict()
     profiles = {variant: Profile.from_dict(start) for variant in variants}
     for variant in variants:  # warm: each variant's first steps measure its profile's new sizes

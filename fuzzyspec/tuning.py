@@ -163,17 +163,18 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
 
 def prepare(pair, config, capacities: tuple[int, ...] = (256,), progress: Callable[[str], None] | None = None) -> None:
     """Where the pair's step is compiled and ``config`` (a ``DecodeConfig``) drafts, compile ahead every one-row
-    shape its drafts can ask the step to verify, and the drafter's own compiled steps where it has some, at each
-    cache capacity in ``capacities``: the cost schedule moves between draft sizes as its measurements come in,
-    and a shape first met while decoding stops that row for the seconds a compilation takes."""
+    shape its drafts can ask the step to verify at each cache capacity in ``capacities``, and the drafter's own
+    compiled steps where it has some (an EAGLE head's: one graph a width serves every capacity of its cache): the
+    cost schedule moves between draft sizes as its measurements come in, and a shape first met while decoding
+    stops that row for the seconds a compilation takes."""
     if pair.step.compile and pair.draft is not None and config.method != "ar":
         widths = Option.of(pair.draft.name, config).widths()
         for capacity in capacities:
             measure_target(pair.step, widths, repeats=1, compiled=True, progress=progress, capacity=capacity)
-            if pair.draft.prepare is not None:  # the drafter's own compiled steps (an EAGLE head's)
-                if progress is not None:
-                    progress("drafter step (compiling)")
-                pair.draft.prepare(capacity)
+        if pair.draft.prepare is not None:
+            if progress is not None:
+                progress("drafter step (compiling)")
+            pair.draft.prepare(capacities[0])
 
 
 @torch.inference_mode()
