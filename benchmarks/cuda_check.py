@@ -86,6 +86,11 @@ def correctness() -> None:
         b, _ = run(target, draft, [1, 2, 3], method="fsd-hybrid", threshold=0.0, seed=seed, **common)
         c, _ = run(target, draft, [1, 2, 3], method="sd", seed=seed, **common)
         check(f"sampled fsd-hybrid T=0 == sd, reproducible (seed {seed})", a == b == c)
+    handed = []
+    decode(target, None, torch.tensor([[1, 2, 3]], device=DEVICE), DecodeConfig(method="ar", max_new_tokens=6), 256,
+           on_tokens=lambda new: handed.append(new.device.type) and False)
+    check(f"a callback gets its tokens on the host (nothing waits for the step queued ahead): {set(handed)}",
+          handed == ["cpu"] * 6)
     for temperature in (0.0, 1.0):
         fuzzy, stats = run(target, draft, [4, 4], method="fsd", threshold=math.inf, seed=5,
                            temperature=temperature, max_new_tokens=40)

@@ -127,7 +127,7 @@ def generate(model: PreTrainedModel, input_ids: Tensor, logits_processor: Logits
     def on_tokens(new: Tensor) -> bool:
         nonlocal sequence
         start = sequence.shape[1]
-        sequence = torch.cat([sequence, new], 1)
+        sequence = torch.cat([sequence, new.to(sequence.device)], 1)  # (the engine hands its tokens over on the host)
         stopped = False
         if stopping_criteria:
             for end in range(start + 1, sequence.shape[1] + 1):

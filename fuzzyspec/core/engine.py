@@ -18,6 +18,10 @@ One ``Engine.step`` runs one round for every row of the batch:
    feature-reading drafters get the target's hidden states of what stays, and rows that
    reach EOS, their length or a stop callback leave, freeing their slot.
 
+On a GPU a batch with no drafts at all (AR rows) runs one step ahead (``Engine.lookahead``): the next step
+is queued on the device, fed the tokens this one picks there, before this one's are read, so the host's
+work around a step overlaps the device's work on the one before.
+
 Rows join between steps (``add``/``add_many`` prefill their prompts together into free slots),
 and each carries its own ``DecodeConfig`` (rule, divergence, threshold, sampling, length, seed,
 gamma schedule, tree shape) and random generator, so a row decodes as it would alone (exactly
@@ -52,6 +56,8 @@ MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a ro
 # slowly (a row's rates by a few percent a step, a cost by at most ``cost.STRIDE`` a measurement), while planning
 # every step cost 0.16 ms of a compiled 4-bit step's 8 on a 2-core CPU.
 PLAN_EVERY = 4
+# Whether engines made without saying run AR steps one ahead (``Engine.lookahead``); None: on a GPU.
+LOOKAHEAD: bool | None = None
 
 
 def target_features(found: Features, drafter: Drafter, layers: int) -> Tensor:
@@ -64,7 +70,7 @@ def target_features(found: Features, drafter: Drafter, layers: int) -> Tensor:
 @dataclass
 class Job:
     """A sequence waiting to be decoded: its prompt ([1, L]), config and drafter; ``on_tokens`` sees each step's
-    new tokens ([1, m]) and may return True to stop; ``logprobs``: record the target's log-probability of
+    new tokens ([1, m], on the host) and may return True to stop; ``logprobs``: record the target's log-probability of
     every emitted token and of its ``logprobs`` likeliest alternatives (``Row.token_logprobs``)."""
 
     input_ids: Tensor
@@ -72,6 +78,18 @@ class Job:
     drafter: Drafter | None = None
     on_tokens: Callback | None = None
     logprobs: int | None = None
+
+
+@dataclass
+class _Queued:
+    """An AR step queued on the device and not read yet (``Engine.lookahead``): the rows it ran for (slot, row),
+    each row's next token picked on the device (``picked``, indexed by slot; the next step's input), its copy
+    on its way to the host (``host``), and an event recorded once that copy is done (None on a CPU)."""
+
+    rows: list[tuple[int, "Row"]]
+    picked: Tensor
+    host: Tensor
+    done: "torch.cuda.Event | None"
 
 
 @dataclass
@@ -120,9 +138,17 @@ class Engine:
     ``target`` is the model, or a ``TargetStep`` (its forward, eager or compiled, shared by every engine
     on that model). ``slots`` are the cache's rows: a finished row frees its slot, and joining rows take
     the lowest free ones, so a step runs over the slots up to the highest one in use.
+
+    ``lookahead`` (default: on a GPU): while no row drafts (AR rows, without log-probabilities), each step queues
+    the next one on the device before it reads its own tokens. The host's work for a step (inputs, emitting,
+    callbacks: about as long as a small model's pass on a GPU) then runs while the device computes, instead of
+    between its passes. A row that stops at EOS or by its callback has had one more pass queued, whose result
+    is dropped; its tokens are the same as without lookahead. On a CPU the device is the host's own threads:
+    nothing to overlap.
     """
 
-    def __init__(self, target: torch.nn.Module | TargetStep, vocab_size: int) -> None:
+    def __init__(self, target: torch.nn.Module | TargetStep, vocab_size: int, lookahead: bool | None = None
+                 ) -> None:
         self.step_fn = target if isinstance(target, TargetStep) else TargetStep(target)
         self.target, self.vocab_size = self.step_fn.model, vocab_size
         self.device = self.target.get_input_embeddings().weight.device
@@ -132,6 +158,10 @@ class Engine:
         self.cache: StaticCache | None = None
         self.slots: list[Row | None] = []
         self._plan_in = 0  # steps until the next plan (``PLAN_EVERY``)
+        if lookahead is None:
+            lookahead = self.device.type == "cuda" if LOOKAHEAD is None else LOOKAHEAD
+        self.lookahead = lookahead
+        self._queued: _Queued | None = None  # the AR step queued ahead and not read yet
 
     @property
     def rows(self) -> list[Row]:
@@ -149,6 +179,7 @@ class Engine:
         checked before anything changes, so a bad one leaves the batch as it was."""
         for job in jobs:
             _check(job)
+        self._drain()  # (a row that the step queued ahead ends there leaves at the next step)
         prompts = [job.input_ids.to(self.device) for job in jobs]
         free = [b for b, row in enumerate(self.slots) if row is None]
         slots = (free + list(range(len(self.slots), len(self.slots) + len(jobs))))[: len(jobs)]
@@ -224,6 +255,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """One draft-and-verify round for every row; returns the rows that finished (they leave the batch)."""
+        if self._ahead():
+            return self._step_ahead()
+        self._drain()
         clock = time.perf_counter()
         if self._plan_in <= 0:
             self._plan()
@@ -233,7 +267,7 @@ class Engine:
         proposals: dict[int, tuple[str, int]] = {}  # row -> (its drafting's profile key, size)
         proposal_ms: dict[int, float] = {}
         for b, row in enumerate(self.slots):
-            if row is None:
+            if row is None or row.done:  # (done: it ended as a step queued ahead was read; it leaves below)
                 continue
             budget = row.config.budget(row.size, row.remaining, row.breadth) if row.drafter is not None else None
             draft = None
@@ -255,6 +289,10 @@ class Engine:
         self.timer.flush()
         if self._forward_ms is not None and all(b in drafts for b in proposals):
             self._price(len(drafts), proposals, proposal_ms, 1000 * (time.perf_counter() - clock) - self._forward_ms)
+        return self._retire()
+
+    def _retire(self) -> list[Row]:
+        """Let the rows that finished leave the batch, freeing their slots; returns them."""
         finished = [row for row in self.slots if row is not None and row.done]
         if self.shards > 1:  # stop callbacks (stop strings, cancellations) run on rank 0 alone: its rows end everywhere
             ended = set(agree(sorted(row.slot for row in finished)))
@@ -271,9 +309,77 @@ class Engine:
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
         if not self.slots:  # nothing left to decode: the cache goes back to the step, for the next engine
+            self._queued = None  # (a pass queued for rows that have ended: its result is not needed)
             self.step_fn.give_back(self.cache)
             self.cache = None
         return finished
+
+    def _ahead(self) -> bool:
+        """Whether this step runs one ahead (``lookahead``): no row drafts or keeps log-probabilities."""
+        return self.lookahead and self.shards == 1 and all(
+            row.drafter is None and row.logprobs is None for row in self.slots if row is not None)
+
+    def _step_ahead(self) -> list[Row]:
+        """One AR step for every row, run one ahead: the step queued last time (or, at first, one queued now from
+        the emitted tokens) is read after the next one is queued behind it on the device, fed its picks there.
+        None is queued where every row ends with this step's token by its length."""
+        live = [row for row in self.slots if row is not None and not row.done]
+        if live:
+            queued = self._queued if self._queued is not None else self._queue(None)
+            self._queued = self._queue(queued) if any(row.remaining > 1 for row in live) else None
+            self._read(queued)
+        self.timer.flush()
+        return self._retire()
+
+    def _queue(self, previous: _Queued | None) -> _Queued:
+        """Queue one AR step of every row that has not ended, its input each row's newest token: the one
+        ``previous`` picked, still on the device, or, with none, the last emitted. Each row's length moves past
+        its input at once (an AR step keeps it), so the step after can be queued before this one is read."""
+        rows_now = [(b, row) for b, row in enumerate(self.slots) if row is not None and not row.done]
+        width, rows = self.step_fn.shape(1, len(self.slots))
+        self._reserve(rows, max(self.cache.lengths[:rows]) + width)
+        if previous is not None:  # (rows only leave between two queued steps: the slots are the same or fewer)
+            tokens = previous.picked[:rows, None]
+        else:
+            tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+            for b, row in rows_now:
+                tokens[b, 0] = row.sequence[0, -1]
+        starts = upload(self.cache.lengths[:rows], self.device, torch.long)
+        own = torch.ones(rows, 1, 1, dtype=torch.bool, device=self.device)
+        mark = self.timer.start()
+        logits, _ = self.step_fn(self.cache, tokens, starts[:, None], write_positions(starts, 1),
+                                 attention_mask(starts, own, self.cache.capacity), None, 0, (), compiled=True)
+        if not self.step_fn.compiling:
+            self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms))
+        members = dict(rows_now)
+        picked = self._pick([members.get(b) for b in range(rows)], logits[:, 0, : self.vocab_size])
+        for b, _ in rows_now:
+            self.cache.lengths[b] += 1
+        if self.device.type != "cuda":
+            return _Queued(rows_now, picked, picked, None)
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        host.copy_(picked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Queued(rows_now, picked, host, done)
+
+    def _read(self, queued: _Queued) -> None:
+        """Wait for a queued step's tokens (for its own copy, not for what was queued after it) and emit them."""
+        if queued.done is not None:
+            queued.done.synchronize()
+        values = queued.host.tolist()
+        for b, row in queued.rows:
+            if self.slots[b] is not row or row.done:  # (it ended at the step before: this pass is dropped)
+                continue
+            row.stats.target_forwards += 1
+            row.stats.record_step(0, 0, None)
+            self._emit(row, values[b: b + 1])
+
+    def _drain(self) -> None:
+        """Read the step queued ahead, if any (before rows join, or a step that cannot run ahead)."""
+        if self._queued is not None:
+            queued, self._queued = self._queued, None
+            self._read(queued)
 
     def _price(self, rows: int, proposals: dict[int, tuple[str, int]], proposal_ms: dict[int, float],
                outside: float) -> None:
@@ -379,21 +485,27 @@ class Engine:
             self._emit(row, new)
 
     def _next_tokens(self, slots: list[int], logits: Tensor) -> dict[int, Pending]:
-        """The next token of every row with no drafts, all at once: greedy rows take the argmax; sampling
-        rows draw from their own processed distribution with their own generator."""
+        """The next token of every row with no drafts, all at once (``_pick``)."""
         if not slots:
             return {}
-        last = logits[slots, 0]
+        tokens = self._pick([self.slots[b] for b in slots], logits[slots, 0])
+        return {b: Pending(tokens[i: i + 1], next_token_only) for i, b in enumerate(slots)}
+
+    @staticmethod
+    def _pick(rows: list[Row | None], last: Tensor) -> Tensor:
+        """The next token of each of ``rows`` from its logits, ``last`` [len(rows), V], on the device: greedy rows
+        take the argmax; sampling rows draw from their own processed distribution with their own generator
+        (None: a padding row, which takes the argmax)."""
         tokens = last.argmax(-1)
         by_sampling: dict[Sampling, list[int]] = {}
-        for i, b in enumerate(slots):
-            if not self.slots[b].config.sampling.greedy:
-                by_sampling.setdefault(self.slots[b].config.sampling, []).append(i)
+        for i, row in enumerate(rows):
+            if row is not None and not row.config.sampling.greedy:
+                by_sampling.setdefault(row.config.sampling, []).append(i)
         for sampling, members in by_sampling.items():
             probs = sampling.probs(last[members])
             for j, i in enumerate(members):
-                tokens[i] = sample(probs[j], self.slots[slots[i]].generator)
-        return {b: Pending(tokens[i: i + 1], next_token_only) for i, b in enumerate(slots)}
+                tokens[i] = sample(probs[j], rows[i].generator)
+        return tokens
 
     def _emit(self, row: Row, new: list[int]) -> None:
         """Append a step's tokens to the row, stopping at EOS, the length limit or the callback."""
@@ -404,10 +516,12 @@ class Engine:
             new = new[:cut]
         if row.generated == 0:
             row.stats.first_token_s = time.perf_counter() - row.started
-        added = upload([new], self.device, torch.long)
-        row.sequence = torch.cat([row.sequence, added], 1)
+        added = torch.tensor([new], dtype=torch.long)
+        row.sequence = torch.cat([row.sequence, upload(added, self.device)], 1)
         if row.logprobs is not None:  # drop the entries of tokens cut off here
             del row.token_logprobs[row.generated:]
+        # (the callback gets the tokens on the host: reading them there waits for nothing, where reading a
+        # device copy would wait for the step queued ahead, ``lookahead``)
         stop = row.on_tokens is not None and bool(row.on_tokens(added))
         if cut is not None or stop:
             row.finish_reason = "stop"
@@ -451,7 +565,7 @@ def decode(target: torch.nn.Module | TargetStep, drafter: Drafter | None, input_
            vocab_size: int, on_tokens: Callback | None = None) -> tuple[Tensor, Stats]:
     """Generate after ``input_ids`` ([1, L]): a batch of one. Returns the new tokens ([1, n]) and statistics.
 
-    ``on_tokens`` sees each step's new tokens ([1, m]) and may return True to stop (for stop
+    ``on_tokens`` sees each step's new tokens ([1, m], on the host) and may return True to stop (for stop
     strings). ``vocab_size`` is the shared vocabulary width: logit columns past it are dropped.
     """
     engine = Engine(target, vocab_size)

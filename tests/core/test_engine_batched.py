@@ -135,6 +135,49 @@ def test_eos_and_callbacks_stop_a_row(target, draft):
     assert called.finish_reason == "stop" and seen == called.tokens and 5 <= len(called.tokens) < 20
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_ar_rows_run_one_step_ahead(target, draft, compiled, mode):
+    """``lookahead`` (a GPU's default, forced here): AR rows, greedy and sampled, of different lengths, one ending
+    at EOS and one by its callback, rows joining midway, and a drafting row joining later (the steps stop running
+    ahead), each get the tokens, finish reasons and pass counts they get alone without it."""
+    step = compiled if mode == "compiled" else target
+    full = alone(target, None, PROMPTS[0], DecodeConfig(method="ar", max_new_tokens=30))[0]
+    cut = next(i for i, token in enumerate(full) if i >= 5 and full.index(token) == i)  # its first time there
+    eos = full[cut]
+    configs = [DecodeConfig(method="ar", max_new_tokens=30, eos_token_ids=(eos,)),
+               DecodeConfig(method="ar", max_new_tokens=7),
+               DecodeConfig(method="ar", max_new_tokens=25, seed=4, sampling=Sampling(temperature=0.9, top_k=20)),
+               DecodeConfig(method="ar", max_new_tokens=1),
+               DecodeConfig(method="ar", max_new_tokens=40)]
+    engine = Engine(step, V, lookahead=True)
+    seen = []
+    rows = [engine.add(torch.tensor([PROMPTS[0]]), configs[0]),
+            engine.add(torch.tensor([PROMPTS[1]]), configs[1]),
+            engine.add(torch.tensor([PROMPTS[2]]), configs[2], on_tokens=lambda new: seen.extend(new[0].tolist())
+                       or len(seen) >= 11)]
+    finished = []
+    for _ in range(3):
+        finished += engine.step()
+    rows += [engine.add(torch.tensor([PROMPTS[3]]), configs[3]), engine.add(torch.tensor([PROMPTS[4]]), configs[4])]
+    for _ in range(4):
+        finished += engine.step()
+    chained = DecodeConfig(method="sd", gamma=3, max_new_tokens=12)
+    rows.append(engine.add(torch.tensor([PROMPTS[0]]), chained, ModelDrafter(draft, V)))
+    while engine.rows:
+        finished += engine.step()
+    assert sorted(map(id, finished)) == sorted(map(id, rows))
+    assert rows[0].tokens == full[: cut + 1] and rows[0].finish_reason == "stop"
+    assert rows[2].finish_reason == "stop" and seen == rows[2].tokens and len(seen) == 11
+    assert rows[2].tokens == alone(target, None, PROMPTS[2], configs[2])[0][:11]
+    for prompt, config, row in zip(PROMPTS[1:], configs[1:], rows[1:]):
+        if row is not rows[2]:
+            expected, stats = alone(target, None, prompt, config)
+            assert row.tokens == expected and row.finish_reason == "length"
+            assert row.stats.target_forwards == stats.target_forwards == len(expected)
+    assert rows[5].tokens == alone(target, ModelDrafter(draft, V), PROMPTS[0], chained)[0]
+    assert engine.cache is None and engine._queued is None
+
+
 def test_the_engine_refuses_what_it_cannot_do(target, draft):
     engine = Engine(target, V)
     with pytest.raises(ValueError, match="needs a drafter"):
