@@ -10,8 +10,8 @@ answers are counted and printed).
 
 Rows: HF generate (eager, dynamic cache), HF generate with its static cache (which transformers compiles itself
 on a GPU, with CUDA graphs); our AR eager, compiled,
-and compiled with CUDA graphs (``TargetStep(graphs=...)``), the last also with the q, k, v (gate, up)
-products apart, as before they were fused; chain sd with the draft model; EAGLE-2 trees sd at
+and compiled with CUDA graphs (``TargetStep(graphs=...)``), the last also not run one step ahead (without
+``Engine.lookahead``) and with the q, k, v (gate, up) products apart, as before they were fused; chain sd with the draft model; EAGLE-2 trees sd at
 a constant size; the default job (cost-planned EAGLE-2 trees, lossless); chain fsd and fsd-hybrid (js, T = 0.3).
 Drafting rows run on the CUDA-graph step. For each: tokens/s, ms per target pass, tokens per pass; for AR the
 fraction of the memory-bandwidth limit (weight bytes read per step over the copy bandwidth measured on this
@@ -56,6 +56,7 @@ ROWS = {
     "our AR, eager": ("eager", None, {"method": "ar"}),
     "our AR, compiled": ("compiled", None, {"method": "ar"}),
     "our AR, compiled + CUDA graphs": ("graphs", None, {"method": "ar"}),
+    "our AR, graphs, not run ahead": ("graphs", None, {"method": "ar", "lookahead": False}),
     "our AR, graphs, projections apart": ("apart", None, {"method": "ar"}),
     "chain sd, draft model": ("graphs", "draft", {"method": "sd", "gamma_schedule": "constant"}),
     "EAGLE-2 trees sd, constant": ("graphs", "eagle", {"method": "sd", "tree": True, "gamma_schedule": "constant"}),
@@ -85,16 +86,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def random_config(vocab_size: int, tiny: bool) -> LlamaConfig:
+    """TinyLlama-1.1B's shape (tiny: 2 layers of width 64), untied, with ``vocab_size`` tokens."""
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2) if tiny else \
+        dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+             num_key_value_heads=4)
+    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=4096, tie_word_embeddings=False, **shape)
+
+
 def random_pair(device: torch.device, tiny: bool, tokenizer_folder: str | None) -> ModelPair:
     """A random ~1B Llama (tiny: a few layers of width 64), a random 2-layer draft of its vocabulary, and a random
     EAGLE head; the embedded tokenizer (its vocabulary: 49,152 tokens), or the one in ``tokenizer_folder``."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or embedded_folder())
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2) if tiny else \
-        dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-             num_key_value_heads=4)  # TinyLlama-1.1B's shape
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=False, **shape)
+    config = random_config(len(tokenizer), tiny)
     torch.manual_seed(0)
     with device:  # initialised where it runs: a 1B model's random init on the host takes a while
         target = LlamaForCausalLM(config).to(dtype).eval()
@@ -109,8 +115,10 @@ def random_pair(device: torch.device, tiny: bool, tokenizer_folder: str | None) 
 
 
 def embedded_pair(device: torch.device) -> ModelPair:
+    """The embedded target with the shipped drafters the rows use."""
     pair = ModelPair.load(draft=None, device=str(device), weights="bf16" if device.type == "cuda" else "auto")
-    pair.drafts = {name: pair.with_drafter(name, device=str(device)).draft for name in ("draft", "eagle")}
+    used = {draft for _, draft, _ in ROWS.values() if draft is not None}
+    pair.drafts = {name: pair.with_drafter(name, device=str(device)).draft for name in sorted(used)}
     return pair
 
 
@@ -181,7 +189,12 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             kwargs = {"cache_implementation": "static"} if kind == "hf-static" else {}
             out = pair.target.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False, **kwargs)
             return out.shape[1] - ids.shape[1], count
-        result = pairs[label].generate(ids, max_new_tokens=count, eos_token_ids=(), **options)
+        options = dict(options)
+        engine_module.LOOKAHEAD = options.pop("lookahead", None)  # (None: the engine's default)
+        try:
+            result = pairs[label].generate(ids, max_new_tokens=count, eos_token_ids=(), **options)
+        finally:
+            engine_module.LOOKAHEAD = None
         return result.stats.new_tokens, result.stats.target_forwards
 
     def timed(label: str, ids: torch.Tensor) -> tuple[float, int, int] | None:
@@ -234,7 +247,8 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             step_ms = 1000 * total["seconds"] / total["passes"]
             row.update(tokens_per_s=total["tokens"] / total["seconds"], ms_per_pass=step_ms,
                        tokens_per_pass=total["tokens"] / total["passes"],
-                       ar_bandwidth_share=(1000 / step_ms) / limit if ROWS[label][2] == {"method": "ar"} else None,
+                       ar_bandwidth_share=(1000 / step_ms) / limit if (ROWS[label][2] or {}).get("method") == "ar"
+                       else None,
                        accept_share=accept_share.get(label))
         table.append(row)
     table.append({"set": name, "row": "target pass ms by width", "curve": curve})
