@@ -125,7 +125,9 @@ def kernels(model, step: TargetStep, device: torch.device, out: Path | None) -> 
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(event, "self_cuda_time_total", 0)
-        if device_us > 0:
+        # (an operator that launches kernels, aten::mm or a Triton kernel's launch, is listed with their device time
+        # beside the kernels themselves, which alone spend no host time)
+        if device_us > 0 and event.self_cpu_time_total == 0:
             rows.append((device_us / passes, event.count / passes, event.key))
     rows.sort(reverse=True)
     total = sum(us for us, _, _ in rows)

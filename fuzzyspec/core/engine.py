@@ -43,7 +43,7 @@ from .cost import Acceptance, Option, draft_key, plan, population_key
 from .draft import Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
-from .kvcache import StaticCache, attention_mask, write_positions
+from .kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .parallel import agree
 from .sampling import Sampling, sample
 from .scoring import TokenLogprob, log_probs, token_logprobs
@@ -345,10 +345,9 @@ class Engine:
             for b, row in rows_now:
                 tokens[b, 0] = row.sequence[0, -1]
         starts = upload(self.cache.lengths[:rows], self.device, torch.long)
-        own = torch.ones(rows, 1, 1, dtype=torch.bool, device=self.device)
         mark = self.timer.start()
         logits, _ = self.step_fn(self.cache, tokens, starts[:, None], write_positions(starts, 1),
-                                 attention_mask(starts, own, self.cache.capacity), None, 0, (), compiled=True)
+                                 attention_mask(starts, chain_tree(rows, 1, self.device), self.cache.capacity), None, 0, (), compiled=True)
         if not self.step_fn.compiling:
             self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms))
         members = dict(rows_now)
