@@ -9,7 +9,9 @@ EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``planN`` (the 
 ``plan1``: every step, as before ``engine.PLAN_EVERY``), ``chains``
 (chains only, no trees), ``fixedprior`` (every row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the
 drafter's learnt prior, ``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
-0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26). The planner before that day is
+0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26) and ``pywrapper`` (its target's and head's compiled steps
+with inductor's Python wrapper and size checks, as before ``step.CPU_INDUCTOR``; with ``ar``: ``ar+pywrapper``). The
+planner before that day is
 ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
 Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps that drafted nothing, the ratio per
@@ -34,11 +36,11 @@ from bench_step import everyday  # noqa: E402 (this folder's module)
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
-from fuzzyspec.core import cost, engine, int4  # noqa: E402
+from fuzzyspec.core import cost, engine, int4, step as step_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
-from fuzzyspec.drafters.head_step import ModuleStep, head_step  # noqa: E402
+from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa: E402
 from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
@@ -71,13 +73,14 @@ def apply(variant: str) -> dict:
         setattr(cost, name, value)
     Profile.population = POPULATION
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
-    if variant == "ar":
-        return {"method": "ar"}
     options = {}
     for part in variant.split("+"):
+        if part == "ar":
+            options["method"] = "ar"
+            continue
         if part.startswith("chain") and part[5:].isdigit():  # every step an N-token chain
             options |= {"tree": False, "gamma": int(part[5:]), "gamma_schedule": "constant", "method": "sd"}
-        elif part in ("q8rows", "hfhead", "q4head"):
+        elif part in ("q8rows", "hfhead", "q4head", "pywrapper"):
             continue  # (its own job: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
             Profile.population = lambda self, key: None
@@ -118,10 +121,22 @@ def main() -> None:
     jobs = {variant: job for variant in variants}
     head, embed = source.module, pair.target.get_input_embeddings()
     lm_head = pair.target.get_output_embeddings()
+    python_wrapper = None
     for variant in variants:
         parts = variant.split("+")
-        if "q8rows" not in parts and "hfhead" not in parts and "q4head" not in parts:
+        if not {"q8rows", "hfhead", "q4head", "pywrapper"} & set(parts):
             continue
+        variant_step, own_head = step, None
+        if "pywrapper" in parts:  # compiled steps of its own, target's and head's, built as before CPU_INDUCTOR
+            if not step.compile:
+                raise SystemExit("pywrapper compares compiled steps: --mode compiled")
+            if python_wrapper is None:  # (one pair of them for every such variant)
+                step_module.CPU_INDUCTOR, shipped = None, step_module.CPU_INDUCTOR
+                python_wrapper = TargetStep(pair.target, compile=True), HeadStep(head, embed)
+                python_wrapper[0]._compiled_forward()
+                python_wrapper[1].prepare(256)  # (a graph's options are fixed when it is first compiled)
+                step_module.CPU_INDUCTOR = shipped
+            variant_step, own_head = python_wrapper
         variant_head = four_bit(head) if "q4head" in parts else head
         logits = head_logits(variant_head, pair.target)
         if "q8rows" in parts:
@@ -131,33 +146,38 @@ def main() -> None:
                 raise SystemExit("q8rows needs the int4 form (an 8-bit LM head)")
             logits = lambda out, rows=rows: rows(out).float()  # noqa: E731
 
-        def make(vocab_size: int, logits=logits, parts=parts, variant_head=variant_head) -> EagleDrafter:
+        def make(vocab_size: int, logits=logits, parts=parts, variant_head=variant_head, own_head=own_head
+                 ) -> EagleDrafter:
             drafter = EagleDrafter(variant_head, pair.target, vocab_size, logits)
             if "hfhead" in parts:  # the head through transformers' layer, as before 2026-11-26
                 drafter.step = ModuleStep(variant_head, embed)
+            if own_head is not None:
+                drafter.step = own_head
             return drafter
 
         jobs[variant] = ModelPair(pair.target, pair.tokenizer,
                                   DrafterSource(source.name, variant_head, make, drafts_trees=True,
                                                 prepare=head_step(variant_head, embed).prepare
                                                 if "q4head" in parts else None),
-                                  step, None)
+                                  variant_step, None)
     prompts = everyday(args.prompts)
     if step.compile:
         tuning.prepare(job, job.config(**COMMON), (256, 512))
-        for variant in variants:  # a variant's own head compiles its own graphs, ahead as the shipped one's are
-            if jobs[variant].draft.prepare is not None and jobs[variant].draft is not source:
+        for variant in variants:  # a variant's own head or step compiles its own graphs, ahead as the shipped ones are
+            if jobs[variant].step is not step:
+                tuning.prepare(jobs[variant], job.config(**COMMON), (256, 512))
+            elif jobs[variant].draft.prepare is not None and jobs[variant].draft is not source:
                 jobs[variant].draft.prepare(256)
     start = step.profile.to_dict()
     profiles = {variant: Profile.from_dict(start) for variant in variants}
     for variant in variants:  # warm: each variant's first steps measure its profile's new sizes
-        options, step.profile = apply(variant), profiles[variant]
+        options, jobs[variant].step.profile = apply(variant), profiles[variant]
         jobs[variant].generate(job.encode(prompts[0][1]), **(COMMON | options))
     totals = {v: {"seconds": 0.0, "tokens": 0, "passes": 0, "drafted": 0, "by_category": {}} for v in variants}
     for index, (category, prompt) in enumerate(prompts):
         ids = job.encode(prompt)
         for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
-            options, step.profile = apply(variant), profiles[variant]
+            options, jobs[variant].step.profile = apply(variant), profiles[variant]
             clock = time.perf_counter()
             stats = jobs[variant].generate(ids, **(COMMON | options)).stats
             seconds = time.perf_counter() - clock
