@@ -4,7 +4,8 @@
    generate; AR equals HF; FSD-hybrid at T = 0 equals SD under one seed; FSD at
    T = inf equals the draft decoding alone; seeded sampling is reproducible.
 2. Compiled steps captured as CUDA graphs equal eager steps token for token (AR, chains, EAGLE trees; one
-   row and two rows together; a longer row joining midway, so that the cache grows under the graphs).
+   row and two rows together; a longer row joining midway, so that the cache grows under the graphs); an EAGLE
+   row that the cost schedule holds back now and then (its steps then run ahead, as AR's do) gives AR's tokens.
 3. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
 4. Loop overhead on the GPU: our AR against HF ``generate`` on a ~1B-parameter
    random Llama in bfloat16 (random weights: only speed is meaningful here).
@@ -13,6 +14,7 @@ Usage: python benchmarks/cuda_check.py
 """
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from dataclasses import replace
@@ -26,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fuzzyspec import DecodeConfig, ModelDrafter, ModelPair, Sampling, decode  # noqa: E402
+from fuzzyspec.core import engine as engine_module  # noqa: E402
 from fuzzyspec.core.engine import Engine, decode_batch  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
@@ -134,6 +137,19 @@ def compiled() -> None:
             runs[label] = (alone, batch, [first.tokens, second.tokens])
         check(f"{name}: compiled with CUDA graphs == eager (alone, batched, joining)", runs["graphs"] == runs["eager"])
         check(f"{name}: batched == alone", runs["eager"][0] == runs["eager"][1])
+    # a scripted schedule: two plans holding the row back (its steps run ahead on a GPU, feeding the head the
+    # target's features), then one drafting 2 tokens
+    sizes, planned = itertools.cycle([0, 0, 2]), engine_module.plan
+    engine_module.plan = lambda options, *_: [(next(sizes), 1)] * len(options)
+    try:
+        config = DecodeConfig(method="sd", gamma=3, gamma_schedule="cost", max_new_tokens=300)
+        for label, step in (("eager", eager), ("graphs", graphs)):
+            held, stats = decode(step, EagleDrafter(head, target, 256, logits), prompts[0], config, 256)
+            ar = decode(step, None, prompts[0], DecodeConfig(method="ar", max_new_tokens=300), 256)[0]
+            check(f"eagle chain sd held back now and then ({label}, drafted {stats.proposed}): == AR",
+                  held[0].tolist() == ar[0].tolist() and stats.proposed > 0)
+    finally:
+        engine_module.plan = planned
 
 
 def loading() -> None:

@@ -18,9 +18,9 @@ One ``Engine.step`` runs one round for every row of the batch:
    feature-reading drafters get the target's hidden states of what stays, and rows that
    reach EOS, their length or a stop callback leave, freeing their slot.
 
-On a GPU a batch with no drafts at all (AR rows) runs one step ahead (``Engine.lookahead``): the next step
-is queued on the device, fed the tokens this one picks there, before this one's are read, so the host's
-work around a step overlaps the device's work on the one before.
+On a GPU a batch with no drafts at all (AR rows, and rows whose drafter the cost schedule holds back) runs one
+step ahead (``Engine.lookahead``): the next step is queued on the device, fed the tokens this one picks there,
+before this one's are read, so the host's work around a step overlaps the device's work on the one before.
 
 Rows join between steps (``add``/``add_many`` prefill their prompts together into free slots),
 and each carries its own ``DecodeConfig`` (rule, divergence, threshold, sampling, length, seed,
@@ -139,8 +139,10 @@ class Engine:
     on that model). ``slots`` are the cache's rows: a finished row frees its slot, and joining rows take
     the lowest free ones, so a step runs over the slots up to the highest one in use.
 
-    ``lookahead`` (default: on a GPU): while no row drafts (AR rows, without log-probabilities), each step queues
-    the next one on the device before it reads its own tokens. The host's work for a step (inputs, emitting,
+    ``lookahead`` (default: on a GPU): while no row drafts (AR rows, and rows whose drafter the cost schedule
+    holds back, as it does wherever drafting would not pay; without log-probabilities), each step queues the next
+    one on the device before it reads its own tokens, and hands drafters that read the target's features those
+    of its pass, so they can draft again when the schedule says. The host's work for a step (inputs, emitting,
     callbacks: about as long as a small model's pass on a GPU) then runs while the device computes, instead of
     between its passes. A row that stops at EOS or by its callback has had one more pass queued, whose result
     is dropped; its tokens are the same as without lookahead. On a CPU the device is the host's own threads:
@@ -246,23 +248,23 @@ class Engine:
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         mask = attention_mask(starts, causal.expand(len(prompts), width, width), self.cache.capacity)
         positions = write_positions(starts, width)
-        layers = {layer for drafter in readers for layer in drafter.feature_layers or [-1]}
-        features = tuple(sorted(layer % (self.step_fn.layer_count + 1) for layer in layers))
         _, found = self.step_fn(self.cache, tokens, positions, positions, mask,
-                                torch.tensor(slots, device=self.device), 1, features)
+                                torch.tensor(slots, device=self.device), 1, self._feature_layers(readers))
         return found
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """One draft-and-verify round for every row; returns the rows that finished (they leave the batch)."""
-        if self._ahead():
-            return self._step_ahead()
-        self._drain()
         clock = time.perf_counter()
-        if self._plan_in <= 0:
+        if self._plan_in <= 0:  # (while a step runs ahead, rows' lengths lag its token: only caps read them)
             self._plan()
             self._plan_in = PLAN_EVERY
         self._plan_in -= 1
+        if self._ahead():
+            return self._step_ahead()
+        planning = time.perf_counter() - clock
+        self._drain()
+        clock = time.perf_counter() - planning  # (what this step spends outside its forward: not the read above)
         drafts: dict[int, Draft | None] = {}
         proposals: dict[int, tuple[str, int]] = {}  # row -> (its drafting's profile key, size)
         proposal_ms: dict[int, float] = {}
@@ -315,9 +317,15 @@ class Engine:
         return finished
 
     def _ahead(self) -> bool:
-        """Whether this step runs one ahead (``lookahead``): no row drafts or keeps log-probabilities."""
-        return self.lookahead and self.shards == 1 and all(
-            row.drafter is None and row.logprobs is None for row in self.slots if row is not None)
+        """Whether this step runs one ahead (``lookahead``): no row drafts this step (``_drafts``) or keeps
+        log-probabilities."""
+        return self.lookahead and self.shards == 1 and not any(
+            row.logprobs is not None or self._drafts(row) for row in self.slots if row is not None and not row.done)
+
+    @staticmethod
+    def _drafts(row: Row) -> bool:
+        """Whether ``row`` would ask its drafter for a draft at its planned size now."""
+        return row.drafter is not None and row.config.budget(row.size, row.remaining, row.breadth) is not None
 
     def _step_ahead(self) -> list[Row]:
         """One AR step for every row, run one ahead: the step queued last time (or, at first, one queued now from
@@ -334,7 +342,9 @@ class Engine:
     def _queue(self, previous: _Queued | None) -> _Queued:
         """Queue one AR step of every row that has not ended, its input each row's newest token: the one
         ``previous`` picked, still on the device, or, with none, the last emitted. Each row's length moves past
-        its input at once (an AR step keeps it), so the step after can be queued before this one is read."""
+        its input at once (an AR step keeps it), so the step after can be queued before this one is read, and a
+        drafter that reads the target's features gets its input's (a row that ends before this step is read
+        has one feature too many, which nothing reads)."""
         rows_now = [(b, row) for b, row in enumerate(self.slots) if row is not None and not row.done]
         width, rows = self.step_fn.shape(1, len(self.slots))
         self._reserve(rows, max(self.cache.lengths[:rows]) + width)
@@ -345,13 +355,18 @@ class Engine:
             for b, row in rows_now:
                 tokens[b, 0] = row.sequence[0, -1]
         starts = upload(self.cache.lengths[:rows], self.device, torch.long)
+        readers = [(b, row) for b, row in rows_now if row.drafter is not None and row.drafter.wants_target_features]
         mark = self.timer.start()
-        logits, _ = self.step_fn(self.cache, tokens, starts[:, None], write_positions(starts, 1),
-                                 attention_mask(starts, chain_tree(rows, 1, self.device), self.cache.capacity), None, 0, (), compiled=True)
+        logits, found = self.step_fn(self.cache, tokens, starts[:, None], write_positions(starts, 1),
+                                     attention_mask(starts, chain_tree(rows, 1, self.device), self.cache.capacity),
+                                     None, 0, self._feature_layers([row.drafter for _, row in readers]), compiled=True)
         if not self.step_fn.compiling:
             self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms))
         members = dict(rows_now)
         picked = self._pick([members.get(b) for b in range(rows)], logits[:, 0, : self.vocab_size])
+        for b, row in readers:
+            features = target_features(found, row.drafter, self.step_fn.layer_count)[b: b + 1]
+            row.drafter.observe(self.cache.lengths[b], features)
         for b, _ in rows_now:
             self.cache.lengths[b] += 1
         if self.device.type != "cuda":
@@ -372,6 +387,8 @@ class Engine:
                 continue
             row.stats.target_forwards += 1
             row.stats.record_step(0, 0, None)
+            if row.config.gamma_schedule == "cost":  # (as a step that drafts nothing does in ``_verify``)
+                row.acceptance.fade()
             self._emit(row, values[b: b + 1])
 
     def _drain(self) -> None:
@@ -413,6 +430,11 @@ class Engine:
         for (_, row), (size, breadth) in zip(planned, drafts):
             row.size, row.breadth = size, breadth
 
+    def _feature_layers(self, readers: list[Drafter]) -> tuple[int, ...]:
+        """The target's layers whose hidden states the drafters ``readers`` read, as the step numbers them."""
+        layers = {layer for drafter in readers for layer in drafter.feature_layers or [-1]}
+        return tuple(sorted(layer % (self.step_fn.layer_count + 1) for layer in layers))
+
     def _forward_took(self, width: int, rows: int, ms: float) -> None:
         self._forward_ms = ms
         self.step_fn.profile.observe_target(width, ms, rows)
@@ -440,8 +462,7 @@ class Engine:
                     tree[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
                     depths[b, 1: 1 + n] = torch.tensor(draft.depths)
         readers = {b for b in drafts if self.slots[b].drafter is not None and self.slots[b].drafter.wants_target_features}
-        layers = {layer for b in readers for layer in self.slots[b].drafter.feature_layers or [-1]}
-        features = tuple(sorted(layer % (self.step_fn.layer_count + 1) for layer in layers))
+        features = self._feature_layers([self.slots[b].drafter for b in readers])
         starts_list = self.cache.lengths[:rows]
         starts = upload(starts_list, self.device, torch.long)
         mask = attention_mask(starts, upload(tree, self.device), self.cache.capacity)

@@ -7,7 +7,8 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.draft import Draft
-from fuzzyspec.core.engine import Engine, Job, decode, decode_batch
+from fuzzyspec.core import engine as engine_module
+from fuzzyspec.core.engine import Engine, Job, decode, decode_batch, target_features
 from fuzzyspec.core.step import LlamaForward, TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.eagle import EagleDrafter
@@ -176,6 +177,47 @@ def test_ar_rows_run_one_step_ahead(target, draft, compiled, mode):
             assert row.stats.target_forwards == stats.target_forwards == len(expected)
     assert rows[5].tokens == alone(target, ModelDrafter(draft, V), PROMPTS[0], chained)[0]
     assert engine.cache is None and engine._queued is None
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_rows_the_schedule_holds_back_run_ahead_and_keep_their_features(target, head, compiled, mode, monkeypatch):
+    """Rows whose drafter the cost schedule holds back run one step ahead as AR rows do (``lookahead``, forced
+    here), and their drafters get the target's features of those passes: whenever the schedule lets them draft
+    again, each drafter holds the features of every position before the newest, as one pass over the sequence
+    computes them, and every row gets greedy AR's tokens."""
+    step = compiled if mode == "compiled" else target
+    sizes = iter([0, 0, 2, 0, 1, 0, 0, 3] * 10)  # the schedule's draft size at each plan, for every row
+    monkeypatch.setattr(engine_module, "plan", lambda options, *_: [(next(sizes), 1)] * len(options))
+    monkeypatch.setattr(engine_module, "PLAN_EVERY", 2)
+    ahead, seen = [], []  # steps run ahead; (sequence, the drafter's features) at each proposal
+    run_ahead, propose = Engine._step_ahead, EagleDrafter.propose
+    monkeypatch.setattr(Engine, "_step_ahead", lambda self: ahead.append(1) or run_ahead(self))
+
+    def watched(self, sequence, *args):
+        seen.append((sequence.clone(), self.features[:, : self.known].clone()))
+        return propose(self, sequence, *args)
+    monkeypatch.setattr(EagleDrafter, "propose", watched)
+    configs = [DecodeConfig(method="sd", gamma=3, gamma_schedule="cost", max_new_tokens=30),
+               DecodeConfig(method="ar", max_new_tokens=12),
+               DecodeConfig(method="sd", gamma=3, gamma_schedule="cost", max_new_tokens=20)]
+    engine = Engine(step, V, lookahead=True)
+    rows = [engine.add(torch.tensor([PROMPTS[0]]), configs[0], EagleDrafter(head, target, V)),
+            engine.add(torch.tensor([PROMPTS[1]]), configs[1])]
+    for _ in range(3):
+        engine.step()
+    rows.append(engine.add(torch.tensor([PROMPTS[2]]), configs[2], EagleDrafter(head, target, V)))
+    while engine.rows:
+        engine.step()
+    for prompt, config, row in zip((PROMPTS[0], PROMPTS[1], PROMPTS[2]), configs, rows):
+        assert row.tokens == alone(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=config.max_new_tokens))[0]
+    assert len(ahead) >= 4 and sum(row.stats.proposed for row in rows) > 0
+    assert len(seen) >= 3
+    for sequence, features in seen:
+        assert features.shape[1] == sequence.shape[1] - 1
+        with torch.no_grad():
+            hidden = target(sequence[:, :-1], output_hidden_states=True).hidden_states
+        expected = target_features(dict(enumerate(hidden)), rows[0].drafter, target.config.num_hidden_layers)
+        torch.testing.assert_close(features, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_the_engine_refuses_what_it_cannot_do(target, draft):
