@@ -10,7 +10,9 @@ EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``planN`` (the 
 (chains only, no trees), ``fixedprior`` (every row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the
 drafter's learnt prior, ``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
 0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26) and ``pywrapper`` (its target's and head's compiled steps
-with inductor's Python wrapper and size checks, as before ``step.CPU_INDUCTOR``; with ``ar``: ``ar+pywrapper``). The
+with inductor's Python wrapper and size checks, as before ``step.CPU_INDUCTOR``; with ``ar``: ``ar+pywrapper``),
+``unfused`` (eager float32 layers' norms and rotary embeddings through PyTorch's operations, as before
+``layer_kernel.cpp``; ``ar+unfused`` too). The
 planner before that day is
 ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
@@ -47,6 +49,7 @@ from fuzzyspec.loading import cpu_isa  # noqa: E402
 SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold")}
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
+SHIPPED_FUSED = step_module._fused
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -73,6 +76,7 @@ def apply(variant: str) -> dict:
         setattr(cost, name, value)
     Profile.population = POPULATION
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
+    step_module._fused = SHIPPED_FUSED
     options = {}
     for part in variant.split("+"):
         if part == "ar":
@@ -86,6 +90,8 @@ def apply(variant: str) -> dict:
             Profile.population = lambda self, key: None
         elif part.startswith("plan") and part[4:].isdigit():  # plan every N steps (1: every step, as before
             engine.PLAN_EVERY = int(part[4:])  # 2026-11-26's engine.PLAN_EVERY)
+        elif part == "unfused":
+            step_module._fused = lambda x: False
         elif part == "chains":
             options["tree"] = False
         elif part == "meanfold":

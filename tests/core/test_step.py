@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from conftest import run_step as run, tiny_llama
+from fuzzyspec.core import kernels, step as step_module
 from fuzzyspec.core.kvcache import StaticCache, chain_tree
-from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep, fuse_float_projections
+from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep, _rotate, fuse_float_projections, rms_norm
 
 
 def plain(model, tokens):
@@ -70,6 +71,48 @@ def test_fused_float_projections_compute_the_same_and_hold_the_weights_once():
     with torch.inference_mode():
         logits, _ = run(step, cache, [tokens])
     torch.testing.assert_close(logits[0], before[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable()}")
+def test_an_eager_steps_fused_norm_and_rotary_calls_compute_what_pytorch_does(target, monkeypatch):
+    """Eager float32 steps run a layer's norms, and its rotary embedding with the cache writes, one call each
+    (``layer_kernel.cpp``): the rotary embedding equals PyTorch's bit for bit, k rotated and v land where the cache's
+    row and write positions say and nowhere else, a norm's rows do not depend on the rest of the batch, and a
+    whole step gives what the same step through PyTorch's operations gives."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, heads * 8, generator=generator) for heads in (4, 2, 2))
+    cos, sin = (torch.randn(2, 3, 1, 8, generator=generator) for _ in range(2))
+    keys, values = torch.zeros(3, 2, 10, 8), torch.zeros(3, 2, 10, 8)
+    where, write = torch.tensor([[2], [0]]), torch.tensor([[4, 5, 6], [0, 1, 2]])
+    rotated = torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, keys, values, where, write, 4, 2)
+    assert torch.equal(rotated, _rotate(q.view(2, 3, 4, 8), cos, sin))
+    expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
+    expected_keys[where, :, write] = _rotate(k.view(2, 3, 2, 8), cos, sin)
+    expected_values[where, :, write] = v.view(2, 3, 2, 8)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    with pytest.raises(RuntimeError, match="past the cache's end"):  # refused before anything is written
+        torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, keys, values, where, write + 5, 4, 2)
+    assert torch.equal(keys, expected_keys)
+
+    norm = target.model.layers[0].input_layernorm
+    x = torch.randn(5, 7, norm.weight.shape[0], generator=generator)
+    with torch.inference_mode():
+        together = rms_norm(norm, x)
+        alone = torch.cat([rms_norm(norm, x[i: i + 1, j: j + 1]) for i in range(5) for j in range(7)])
+    assert torch.equal(together.reshape(35, -1), alone.reshape(35, -1))
+    monkeypatch.setattr(step_module, "_fused", lambda x: False)
+    with torch.inference_mode():
+        torch.testing.assert_close(together, rms_norm(norm, x), rtol=1e-6, atol=1e-6)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(step_module, "_fused", lambda x, fused=fused: fused)
+        cache = StaticCache.for_model(target.config, 2, 16, torch.float32, "cpu")
+        with torch.inference_mode():
+            first, _ = run(TargetStep(target), cache, [[3, 9, 4, 4], [8, 1, 2, 7]])
+            second, _ = run(TargetStep(target), cache, [[5, 6], [2, 2]])
+        results.append((first, second, cache.keys[1].clone(), cache.values[1].clone()))
+    for unfused, fused in zip(*results):
+        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
 
 def test_eager_attention_takes_the_mask_as_scores():
