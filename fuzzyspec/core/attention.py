@@ -7,7 +7,7 @@ one-token step's. With int4 weights the kernel rounds each token's activations t
 last-bit differences into whole quanta: on the embedded model a 6-token chain's logits moved by up to 0.75, and
 greedy ``sd`` left AR's text on 11 of 13 prompts (12 of them everyday ones).
 
-``attend`` (``attention_kernel.cpp``) visits, for each query and head, the cached positions its mask allows in
+``attend`` (``layer_kernel.cpp``) visits, for each query and head, the cached positions its mask allows in
 increasing order: scores s_i = scale q.k_i, m = max s_i, p_i = exp(s_i - m), out = sum p_i v_i / sum p_i, each
 sum in that order. A drafted node's allowed positions are the row's cache, then its ancestors and itself at
 increasing write positions: the keys and values, in the order, that AR sees for the same token once that path

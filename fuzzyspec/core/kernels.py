@@ -4,9 +4,8 @@ under the fuzzyspec cache.
 It holds two kernels, each with one job:
 
 - ``int4_kernel.cpp``: products of activations with llama.cpp's 4-bit and 8-bit weight blocks (``core.int4``);
-- ``attention_kernel.cpp``: attention over a static cache one query at a time (``core.attention``);
-- ``layer_kernel.cpp``: a decoder layer's RMSNorm, and its rotary embedding with the cache writes, one call each
-  (eager float32 steps, ``core.step``).
+- ``layer_kernel.cpp``: attention over a static cache one query at a time (``core.attention``), and an eager float32
+  step's RMSNorm, and its rotary embedding with the cache writes, one call each (``core.step``).
 
 Both compute a token's result by the same operations whatever else is in its batch, which is what lets a pass
 that verifies several drafted tokens give each the logits a one-token step would (``core.attention``).
@@ -27,7 +26,7 @@ import torch
 
 from ..files import cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4_kernel.cpp", "attention_kernel.cpp", "layer_kernel.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("int4_kernel.cpp", "layer_kernel.cpp")]
 ROWS = 16  # weight rows per packed group of the int4 kernel (what its products return is in whole groups)
 # -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
 # -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike

@@ -23,14 +23,16 @@ four = Int4Linear.from_codes(saved["codes4"], saved["scales"], saved["minimums"]
 eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])
 x = saved["x"]
 torch.save({"four": four(x), "eight": eight(x), "alone": torch.cat([four(x[i: i + 1]) for i in range(len(x))]),
-            "attention": attend(*saved["attention"], 0.125)}, sys.argv[3])
+            "attention": attend(*saved["attention"], 0.125),
+            "norm": torch.ops.fuzzyspec_layer.rms_norm(x, saved["x"][0], 1e-5)}, sys.argv[3])
 """
 
 
 def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
     """Each instruction set's code path (AVX-512 VNNI, AVX-VNNI, AVX2) is held to the same formula: a machine runs
     only its widest build, so the narrower ones are built here (FUZZYSPEC_INT4_ISA) and run in a fresh process.
-    (The attention kernel is written for AVX2 alone; a wider build must not change its numbers either.)"""
+    (The attention kernel is written for AVX2 alone, the norm in plain C++; a wider build must not change their
+    numbers either.)"""
     narrower = [name for name in list(kernels.ISA_FLAGS)[list(kernels.ISA_FLAGS).index(kernels.isa()) + 1:]
                 if set(kernels.ISA_FLAGS[name]) <= kernels.cpu_flags()]
     if not narrower:
@@ -57,6 +59,7 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
         assert torch.equal(out["eight"], eight(saved["x"])), name
         assert torch.equal(out["alone"], out["four"]), name
         assert torch.equal(out["attention"], attend(*saved["attention"], 0.125)), name
+        assert torch.equal(out["norm"], torch.ops.fuzzyspec_layer.rms_norm(saved["x"], saved["x"][0], 1e-5)), name
 
 
 def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch):
