@@ -19,8 +19,8 @@
 // NORM AND ROTARY EMBEDDING. Eager PyTorch runs an RMSNorm as six operations, and a layer's rotary embedding, with
 // the split of the fused q|k|v product and the cache writes, as about twenty; each costs a few microseconds of
 // dispatch for well under a microsecond of arithmetic on a token's 576 numbers (with these calls an eager 4-bit
-// step of the embedded model went from 10.0 to 7.2 ms on a 2-core EPYC; step.py's ``rms_norm`` and ``decoder_layer`` call these; compiled steps leave them to
-// inductor, which fuses them itself). Each output row is computed by the same operations whatever else is in the
+// step of the embedded model went from 10.0 to 7.2 ms on a 2-core EPYC). step.py's ``rms_norm`` and
+// ``decoder_layer`` call them; compiled steps leave these steps to inductor, which fuses them itself. Each output row is computed by the same operations whatever else is in the
 // batch. The rotary embedding does, element by element, what PyTorch's x cos + rotate_half(x) sin does (a product,
 // a product, a sum), so its results equal eager PyTorch's bit for bit; the norm sums its squares in double precision
 // (8 lanes, then the lanes in order), so its mean is the same on every instruction set.
@@ -210,7 +210,8 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& write, int64_t heads, int64_t kv_heads) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &keys, &values})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "rope_store: float32 tensors");
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(), "rope_store: keys and values [slots, kv, capacity, D]");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "rope_store: keys and values [slots, kv, capacity, D]");
   const int64_t rows = q.size(0), width = q.size(1), dim = keys.size(3), capacity = keys.size(2);
   TORCH_CHECK(q.size(-1) == heads * dim && k.size(-1) == kv_heads * dim && v.size(-1) == kv_heads * dim &&
                   keys.size(1) == kv_heads, "rope_store: head counts and sizes disagree");
@@ -252,7 +253,9 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY(fuzzyspec_attention, m) { m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor"); }
+TORCH_LIBRARY(fuzzyspec_attention, m) {
+  m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(fuzzyspec_attention, CPU, m) { m.impl("attend", &attend); }
 

@@ -91,8 +91,8 @@ def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
 def _fused(x: Tensor) -> bool:
     """Whether an eager step over ``x`` runs its layers' small steps through ``layer_kernel.cpp`` (one call for a
     norm, one for the rotary embedding and cache writes, where PyTorch makes six and about twenty: an eager 4-bit
-    step of the embedded model went from 10.0 to 7.2 ms): float32 on a CPU with our kernels, outside autograd, and not while
-    compiling (inductor fuses them itself)."""
+    step of the embedded model went from 10.0 to 7.2 ms): float32 on a CPU with our kernels, outside autograd, and
+    not while compiling (inductor fuses them itself)."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and kernels.available())
 
@@ -385,9 +385,9 @@ class TargetStep:
 # How inductor builds a CPU step. Its wrapper, which calls a graph's kernels one after another, is C++ rather than
 # Python (``cpp_wrapper``), and does not check the sizes and strides of what our kernels return (``size_asserts``:
 # the inputs are checked by dynamo's guards, or by ``Compiled``'s key). A compiled 4-bit step of the embedded model
-# calls about 120 of our products, 30 attentions and 150 fused kernels, and checked about 215 sizes: its Python
-# wrapper cost about 10% of a 6 ms step on a 2-core CPU (AR 1.12x with both, 12 prompts, 2026-11-26). The price is
-# compile time: each graph's wrapper is built by the C++ compiler too, once per machine (the compiled code is kept).
+# calls about 150 of our kernels and 150 fused ones, and checked about 215 sizes: with both, compiled decoding on a
+# 2-core EPYC ran 3-5% faster (AR 1.043-1.049x, the default job 1.026-1.036x; 2026-11-26). The price is compile
+# time, about 20% more: each graph's wrapper goes through the C++ compiler too, once per machine (the code is kept).
 CPU_INDUCTOR = {"cpp_wrapper": True, "size_asserts": False}
 
 
@@ -414,7 +414,8 @@ class Compiled:
         if graphs:
             self.function = torch.compile(function, dynamic=False, mode="reduce-overhead")
         else:
-            self.function = torch.compile(function, dynamic=False, options=CPU_INDUCTOR if device.type == "cpu" else None)
+            options = CPU_INDUCTOR if device.type == "cpu" else None
+            self.function = torch.compile(function, dynamic=False, options=options)
         self.seen: set[tuple] = set()  # the keys of the calls run so far
         self.compiling = False  # whether the last call may have compiled a graph
 

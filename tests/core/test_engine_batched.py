@@ -209,7 +209,8 @@ def test_rows_the_schedule_holds_back_run_ahead_and_keep_their_features(target, 
     while engine.rows:
         engine.step()
     for prompt, config, row in zip((PROMPTS[0], PROMPTS[1], PROMPTS[2]), configs, rows):
-        assert row.tokens == alone(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=config.max_new_tokens))[0]
+        ar = DecodeConfig(method="ar", max_new_tokens=config.max_new_tokens)
+        assert row.tokens == alone(target, None, prompt, ar)[0]
     assert len(ahead) >= 4 and sum(row.stats.proposed for row in rows) > 0
     assert len(seen) >= 3
     for sequence, features in seen:
