@@ -6,15 +6,15 @@ A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), or ``+``-jo
 shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
 EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``q4head`` (its
 EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``planN`` (the draft sizes planned every N steps;
-``plan1``: every step, as before ``engine.PLAN_EVERY``), ``chains``
-(chains only, no trees), ``fixedprior`` (every row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the
-drafter's learnt prior, ``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior acceptance
-0.P), ``kK`` (each further child per node catching 0.K of the misses before it) and ``meanfold`` (costs as a running mean, as before 2026-11-26) and ``pywrapper`` (its target's and head's compiled steps
-with inductor's Python wrapper and size checks, as before ``step.CPU_INDUCTOR``; with ``ar``: ``ar+pywrapper``),
-``unfused`` (eager float32 layers' norms and rotary embeddings through PyTorch's operations, as before
-``layer_kernel.cpp``; ``ar+unfused`` too). The
-planner before that day is
-``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
+``plan1``: every step, as before ``engine.PLAN_EVERY``), ``chains`` (chains only, no trees), ``fixedprior`` (every
+row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the drafter's learnt prior,
+``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior
+acceptance 0.P), ``kK`` (each further child per node catching 0.K of the misses before it), ``meanfold`` (costs as a
+running mean, as before 2026-11-26), ``pywrapper`` (the target's and head's compiled steps with inductor's Python
+wrapper and size checks, as before ``step.CPU_INDUCTOR``) and ``unfused`` (eager float32 layers' norms and rotary
+embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``); the last two also join
+``ar`` (``ar+pywrapper``, ``ar+unfused``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
+is the planner as shipped.
 
 Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps that drafted nothing, the ratio per
 prompt category, and each variant's profile at the end; and the CPU's instruction sets.

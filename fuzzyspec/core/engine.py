@@ -262,9 +262,9 @@ class Engine:
         self._plan_in -= 1
         if self._ahead():
             return self._step_ahead()
-        planning = time.perf_counter() - clock
+        reading = time.perf_counter()
         self._drain()
-        clock = time.perf_counter() - planning  # (what this step spends outside its forward: not the read above)
+        clock += time.perf_counter() - reading  # (reading a step queued ahead is not this step's own time)
         drafts: dict[int, Draft | None] = {}
         proposals: dict[int, tuple[str, int]] = {}  # row -> (its drafting's profile key, size)
         proposal_ms: dict[int, float] = {}
