@@ -82,9 +82,20 @@ def _saved() -> dict:
         return {}
 
 
+# How long a profile measured by other code (another step digest, ``_here``) is kept: another fuzzyspec version
+# sharing the cache keeps its own while it is in use, and an upgrade's old profiles go. They are never read again,
+# and every answer's ``save`` reads and writes the file whole: after a few days of changes one machine's file held
+# 425 profiles (232 KB), and keeping a profile took 12 ms of each answer (2026-11-26, a 2-core EPYC).
+STALE_S = 7 * 24 * 3600
+
+
 def _write(saved: dict) -> None:
-    """Write ``profiles.json`` whole, then rename it into place (a reader never sees half a file)."""
-    write_whole(profile_path(), lambda partial: partial.write_text(json.dumps(saved, indent=1) + "\n"))
+    """Write ``profiles.json`` whole, then rename it into place (a reader never sees half a file), less the
+    profiles of other code not written for ``STALE_S``."""
+    mine, since = f"step={_step_code()}", time.time() - STALE_S
+    kept = {key: entry for key, entry in saved.items()
+            if mine in key.split("|") or entry.get("written", 0.0) > since}
+    write_whole(profile_path(), lambda partial: partial.write_text(json.dumps(kept, indent=1) + "\n"))
 
 
 def load(key: str) -> Profile:
@@ -95,7 +106,7 @@ def load(key: str) -> Profile:
 def save(key: str, profile: Profile) -> None:
     """Keep ``profile`` under ``key`` (its facts and the other keys kept)."""
     saved = _saved()
-    saved[key] = saved.get(key, {}) | profile.to_dict()
+    saved[key] = saved.get(key, {}) | profile.to_dict() | {"written": time.time()}
     _write(saved)
     profile.updates = 0
 
@@ -103,7 +114,7 @@ def save(key: str, profile: Profile) -> None:
 def note(key: str, **facts: object) -> None:
     """Record facts beside a profile (what compiling was measured to gain)."""
     saved = _saved()
-    saved.setdefault(key, {}).update(facts)
+    saved.setdefault(key, {}).update(facts, written=time.time())
     _write(saved)
 
 
