@@ -248,8 +248,11 @@ class Engine:
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         mask = attention_mask(starts, causal.expand(len(prompts), width, width), self.cache.capacity)
         positions = write_positions(starts, width)
-        _, found = self.step_fn(self.cache, tokens, positions, positions, mask,
-                                torch.tensor(slots, device=self.device), 1, self._feature_layers(readers))
+        # Rows 0 .. B - 1 (a first request's slot 0): the step reads those cache rows as views, where a list of slots
+        # has each layer gather its rows' keys and values (copies of their whole capacity).
+        rows = None if slots == list(range(len(slots))) else torch.tensor(slots, device=self.device)
+        _, found = self.step_fn(self.cache, tokens, positions, positions, mask, rows, 1,
+                                self._feature_layers(readers))
         return found
 
     @torch.inference_mode()
