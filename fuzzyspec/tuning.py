@@ -94,7 +94,7 @@ def _write(saved: dict) -> None:
     profiles of other code not written for ``STALE_S``."""
     mine, since = f"step={_step_code()}", time.time() - STALE_S
     kept = {key: entry for key, entry in saved.items()
-            if mine in key.split("|") or entry.get("written", 0.0) > since}
+            if mine in key.split("|") or (isinstance(entry, dict) and entry.get("written", 0.0) > since)}
     write_whole(profile_path(), lambda partial: partial.write_text(json.dumps(kept, indent=1) + "\n"))
 
 
