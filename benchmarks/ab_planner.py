@@ -10,8 +10,7 @@ EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``planN`` (the 
 row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the drafter's learnt prior,
 ``Profile.population``), ``wWmM`` (a row's prior worth W steps, its counts fading by 0.M a step), ``pP`` (the prior
 acceptance 0.P), ``kK`` (each further child per node catching 0.K of the misses before it), ``meanfold`` (costs as a
-running mean, as before 2026-11-26), ``trialmin`` (a new size priced at the best of its first measurements, as
-before their median), ``pywrapper`` (the target's and head's compiled steps with inductor's Python
+running mean, as before 2026-11-26), ``pywrapper`` (the target's and head's compiled steps with inductor's Python
 wrapper and size checks, as before ``step.CPU_INDUCTOR``) and ``unfused`` (eager float32 layers' norms and rotary
 embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``); the last two also join
 ``ar`` (``ar+pywrapper``, ``ar+unfused``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
@@ -51,7 +50,6 @@ SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRI
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
-SHIPPED_OBSERVE = Profile._observe
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -59,21 +57,6 @@ def mean_fold(measured: dict[int, float], x: int, ms: float) -> None:
     """Costs as the planner kept them before 2026-11-26: a fifth of the way to each measurement, at most half."""
     old = measured.get(x)
     measured[x] = ms if old is None else old + 0.2 * max(-old / 2, min(old / 2, ms - old))
-
-
-def min_trials(self: Profile, key: str, measured: dict[int, float], size: int, ms: float) -> None:
-    """A new size's cost as the planner kept it before 2026-11-26's median: the least of its ``TRIALS`` first
-    measurements."""
-    self.updates += 1
-    samples = self.trials.get((key, size), [] if size not in measured else None)
-    if samples is None:
-        cost._fold(measured, size, ms)
-        return
-    measured[size] = min(measured.get(size, ms), ms)
-    if len(samples) + 1 < cost.TRIALS:
-        self.trials[key, size] = samples + [ms]
-    else:
-        self.trials.pop((key, size), None)
 
 
 def four_bit(head: torch.nn.Module) -> torch.nn.Module:
@@ -94,7 +77,6 @@ def apply(variant: str) -> dict:
     Profile.population = POPULATION
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
     step_module._fused = SHIPPED_FUSED
-    Profile._observe = SHIPPED_OBSERVE
     options = {}
     for part in variant.split("+"):
         if part == "ar":
@@ -114,8 +96,6 @@ def apply(variant: str) -> dict:
             options["tree"] = False
         elif part == "meanfold":
             cost._fold = mean_fold
-        elif part == "trialmin":
-            Profile._observe = min_trials
         elif part.startswith("w") and "m" in part:
             cost.PRIOR_WEIGHT = float(part[1: part.index("m")])
             cost.MEMORY = float("0." + part[part.index("m") + 1:])

@@ -21,7 +21,7 @@ masks and bookkeeping a draft brings (the engine times whole steps: pricing the 
 chain about 30% cheaper than it was, on a 4-bit target).
 ``tuning`` keeps the profile per target, weights, dtype, device, thread count and compilation. A width never
 measured is assumed to cost what the nearest measured narrower width costs (optimism: it gets tried, and after
-a few measurements their median decides), a draft size below every measured one its share of the smallest
+a few measurements their minimum decides), a draft size below every measured one its share of the smallest
 measured (drafting nothing costs nothing), and acceptances start from a prior worth about ten of a row's
 own steps: the acceptance the drafter's earlier rows met under the same rule (``Profile.population``, kept with
 the profile), or ``PRIOR_ACCEPTANCE`` before any; a row's counts fade slowly every step, so one that stopped
@@ -67,13 +67,12 @@ class Profile:
     13.9 ms for one row's 4-token step, which decoding alone measured at 7.6.
 
     A size's first ``TRIALS`` measurements are tentative: the planner does not see them (the size stays
-    untried to it, so it is tried again) and the size's cost is their median, from which later measurements
-    move it as they move every settled size's (``_fold``). One slow first measurement had priced a size out for
-    good: the planner re-measures only what it runs. Their minimum, as the cost was before, is the opposite fault:
-    beside the running medians of the sizes the planner runs, a new size's best of three looks cheap, and it
-    is run until its estimate climbs back (in one A/B on a 2-core EPYC the two ran alike, 1.134x and 1.135x AR:
-    benchmarks/results_planner_ab_epyc.txt, 2026-11-26). Sizes given at construction or loaded are taken as
-    measured."""
+    untried to it, so it is tried again) and the size's cost is their minimum, since a shared machine's noise
+    only adds time. One slow first measurement had priced a size out for good: the planner re-measures only
+    what it runs. So a price errs low on purpose: a size priced low is run, and measured again; one priced high is
+    never run again. (Their median, tried on 2026-11-26, left a compiled profile with a 2-token pass at 9.1 ms,
+    1.36x a 1-token one, where decoding measured 1.13x, and its default job drafting nothing.) Sizes given at
+    construction or loaded are taken as measured."""
 
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -81,7 +80,7 @@ class Profile:
     outside: dict[int, float] = field(default_factory=dict)  # rows -> ms; see above
     populations: dict[str, "Acceptance"] = field(default_factory=dict)  # see ``population``
     updates: int = 0  # measurements folded in since the profile was loaded
-    trials: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # tentative sizes' measurements
+    trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
 
     def target_ms(self, width: int, rows: int = 1) -> float:
         """A forward of ``rows`` rows of ``width`` tokens. A row count not yet measured is guessed at what one row
@@ -130,14 +129,13 @@ class Profile:
 
     def _observe(self, key: str, measured: dict[int, float], size: int, ms: float) -> None:
         self.updates += 1
-        samples = self.trials.get((key, size), [] if size not in measured else None)
-        if samples is None:
+        count = self.trials.get((key, size), 0 if size not in measured else None)
+        if count is None:
             _fold(measured, size, ms)
             return
-        samples = sorted(samples + [ms])
-        measured[size] = samples[len(samples) // 2]  # (their median: an upper one of an even count)
-        if len(samples) < TRIALS:
-            self.trials[key, size] = samples
+        measured[size] = min(measured.get(size, ms), ms)
+        if count + 1 < TRIALS:
+            self.trials[key, size] = count + 1
         else:
             self.trials.pop((key, size), None)
 
