@@ -24,6 +24,14 @@ def _profiles_kept_apart(monkeypatch, tmp_path_factory):
                         if "FUZZYSPEC_CACHE" in os.environ else session)
 
 
+@pytest.fixture(autouse=True)
+def _compiled_code_kept_in_one_place(monkeypatch):
+    """A command run in the tests' process with --compile points inductor's cache into the fuzzyspec cache; the
+    tests after it keep compiling where the session started, so graphs the tests share compile once."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def tiny_llama(vocab_size: int = 32, layers: int = 2, seed: int = 0, hidden: int = 32) -> LlamaForCausalLM:
     """A tiny random Llama in float32; its logits are scaled up so distributions are peaked like a real LM's."""
     torch.manual_seed(seed)

@@ -419,3 +419,24 @@ def test_tune_measures_keeps_and_explains_the_profile(capsys, tiny_dirs, tmp_pat
     pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], dtype="float32")
     assert pair.profile_key == eager["key"] and tuning.load(pair.profile_key).target.keys() >= {1, 2, 4}
     assert tuning.load(pair.profile_key).outside_ms(1) > 0  # what a step spends around its forward, for the planner
+
+
+def test_compiled_code_is_kept_per_kind_of_cpu(monkeypatch, tmp_path):
+    """Inductor's cache reused under another CPU capability ran code built for the other (garbage logits, or a
+    crash): the compiled code a command keeps goes to a folder of the cache per kind of CPU, unless the user names
+    one. Importing torch._dynamo sets the variable to inductor's default folder, which does not count as named."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from fuzzyspec import cli
+
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    folders = []
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        cli._persist_compiled_code()
+        folders.append(Path(cli.os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+    assert folders[0] != folders[1] and all(folder.parent == tmp_path / "inductor" for folder in folders)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    cli._persist_compiled_code()
+    assert cli.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -70,9 +70,8 @@ class Profile:
     untried to it, so it is tried again) and the size's cost is their minimum, since a shared machine's noise
     only adds time. One slow first measurement had priced a size out for good: the planner re-measures only
     what it runs. So a price errs low on purpose: a size priced low is run, and measured again; one priced high is
-    never run again. (Their median, tried on 2026-11-26, left a compiled profile with a 2-token pass at 9.1 ms,
-    1.36x a 1-token one, where decoding measured 1.13x, and its default job drafting nothing.) Sizes given at
-    construction or loaded are taken as measured."""
+    never run again. (Their median, tried on 2026-11-26, ran alike in an A/B, 1.134x against 1.135x AR, and was
+    not kept for that asymmetry.) Sizes given at construction or loaded are taken as measured."""
 
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
