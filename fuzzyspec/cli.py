@@ -384,10 +384,11 @@ def _compiles(args: argparse.Namespace, device: str, long_running: bool, sharded
 
 def _persist_compiled_code() -> None:
     """Keep inductor's compiled code in the fuzzyspec cache (unless TORCHINDUCTOR_CACHE_DIR names a folder), so a
-    shape compiles once per machine: in a folder per kind of CPU (its instruction sets, and those torch's kernels use), since inductor's cache reused across them
-    runs code built for the other. A cache filled with ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine, then used
-    without it, gave a compiled 4-bit step garbage logits (max difference from eager 2482, 1e-5 on a cache of its
-    own) or a "double free or corruption" crash (2026-11-26); a network home folder shared by two machines would."""
+    shape compiles once per machine: in a folder per kind of CPU (its instruction sets, and those torch's kernels
+    use), since inductor's cache reused across them runs code built for the other. A cache filled with
+    ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine, then used without it, gave a compiled 4-bit step garbage logits
+    (max difference from eager 2482, 1e-5 on a cache of its own) or a "double free or corruption" crash
+    (2026-11-26); a network home folder shared by two machines would."""
     import platform
 
     import torch
