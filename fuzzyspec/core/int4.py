@@ -51,15 +51,22 @@ def _per_block(values: Tensor) -> Tensor:
         -(-values.shape[0] // ROWS), values.shape[1], -1)
 
 
-def pack_four(codes: Tensor, scales: Tensor, minimums: Tensor) -> Tensor:
-    """Q4 codes [N, K] (0..15), float16 scales and minimums [N, K/32] -> the kernel's bytes [N/16, K/32, 320]: per
-    group of 16 rows and block, for j = 0..3, 64 bytes holding row i's codes 4j..4j+3 in the low nibbles and
-    16+4j..16+4j+3 in the high ones (byte 4i + c), then the 16 scales and the 16 minimums."""
-    blocks = _grouped(codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, 4, 4))  # [G, 16, b, half, j, c]
-    nibbles = (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, j, 16, c]
-    nibbles = nibbles.reshape(*nibbles.shape[:2], -1)
-    return torch.cat([nibbles, _per_block(scales.to(torch.float16)), _per_block(minimums.to(torch.float16))],
-                     -1).contiguous()
+def pack_four(nibbles: Tensor, scales: Tensor, minimums: Tensor) -> Tensor:
+    """Q4 blocks as GGUF stores them (``nibbles`` uint8 [N, K/2]: per block of 32 inputs, code c in the low nibble
+    of byte c and code 16 + c in the high one), float16 scales and minimums [N, K/32] -> the kernel's bytes
+    [N/16, K/32, 320]: per group of 16 rows and block, for j = 0..3, 64 bytes holding row i's codes 4j..4j+3 in
+    the low nibbles and 16+4j..16+4j+3 in the high ones (byte 4i + c), then the 16 scales and the 16 minimums.
+    That byte 4i + c of chunk j is byte 4j + c of row i's block in the file, so packing moves whole bytes."""
+    blocks = _grouped(nibbles.reshape(nibbles.shape[0], -1, 4, 4))  # [G, 16, b, j, c]
+    interleaved = blocks.permute(0, 2, 3, 1, 4).reshape(blocks.shape[0], blocks.shape[2], -1)  # [G, b, j*16*c]
+    return torch.cat([interleaved, _per_block(scales.to(torch.float16)), _per_block(minimums.to(torch.float16))],
+                     -1)
+
+
+def nibbles_of(codes: Tensor) -> Tensor:
+    """Codes [N, K] (0..15) -> GGUF's nibbles [N, K/2] (``pack_four``)."""
+    blocks = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, GROUP // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1)
 
 
 def pack_eight(codes: Tensor, scales: Tensor) -> Tensor:
@@ -99,7 +106,7 @@ class Int4Linear(nn.Module):
                 or minimums.shape != scales.shape:
             raise ValueError(f"an int4 weight needs inputs in blocks of {GROUP}, with one scale and minimum a block; "
                              f"got codes {tuple(nibbles.shape)}, scales {tuple(scales.shape)}")
-        self.register_buffer("packed", pack_four(nibble_codes(nibbles), scales, minimums))
+        self.register_buffer("packed", pack_four(nibbles, scales, minimums))
 
     @classmethod
     def packed_as(cls, packed: Tensor, out_features: int, in_features: int) -> "Int4Linear":
@@ -115,8 +122,7 @@ class Int4Linear(nn.Module):
         """``codes`` [N, K] (0..15); ``scales`` and ``minimums`` [N, K/32]."""
         if codes.shape[1] % GROUP:
             raise ValueError(f"an int4 weight needs inputs in blocks of {GROUP}, got {tuple(codes.shape)}")
-        blocks = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, GROUP // 2)
-        return cls((blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1), scales, minimums)
+        return cls(nibbles_of(codes), scales, minimums)
 
     @classmethod
     def rounded(cls, weight: Tensor) -> "Int4Linear":
@@ -129,7 +135,7 @@ class Int4Linear(nn.Module):
         inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(scales, dtype=torch.float32))
         # (in place, and packed straight from the codes: a drafter's rows are rounded at every load)
         codes = blocks.sub(minimums.float()[..., None]).mul_(inverse[..., None]).round_().clamp_(0, 15)
-        return cls.packed_as(pack_four(codes.to(torch.uint8).reshape(weight.shape), scales, minimums), *weight.shape)
+        return cls.packed_as(pack_four(nibbles_of(codes.reshape(weight.shape)), scales, minimums), *weight.shape)
 
     def forward(self, x: Tensor) -> Tensor:
         y = torch.ops.fuzzyspec_int4.mm_q4(x, self.packed)
