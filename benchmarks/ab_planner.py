@@ -12,7 +12,8 @@ row's acceptance prior the fixed ``PRIOR_ACCEPTANCE``, as before the drafter's l
 acceptance 0.P), ``kK`` (each further child per node catching 0.K of the misses before it), ``meanfold`` (costs as a
 running mean, as before 2026-11-26), ``pywrapper`` (the target's and head's compiled steps with inductor's Python
 wrapper and size checks, as before ``step.CPU_INDUCTOR``) and ``unfused`` (eager float32 layers' norms and rotary
-embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``); the last two also join
+embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``), ``nocopy`` (the EAGLE head
+alone, never copying from the text, as before ``drafters.lookup.CopyFirst``); ``pywrapper`` and ``unfused`` also join
 ``ar`` (``ar+pywrapper``, ``ar+unfused``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
 
@@ -42,6 +43,7 @@ from fuzzyspec.core import cost, engine, int4, step as step_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
+from fuzzyspec.drafters.lookup import CopyFirst  # noqa: E402
 from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa: E402
 from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
@@ -84,7 +86,7 @@ def apply(variant: str) -> dict:
             continue
         if part.startswith("chain") and part[5:].isdigit():  # every step an N-token chain
             options |= {"tree": False, "gamma": int(part[5:]), "gamma_schedule": "constant", "method": "sd"}
-        elif part in ("q8rows", "hfhead", "q4head", "pywrapper"):
+        elif part in ("q8rows", "hfhead", "q4head", "pywrapper", "nocopy"):
             continue  # (its own job: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
             Profile.population = lambda self, key: None
@@ -130,7 +132,7 @@ def main() -> None:
     python_wrapper = None
     for variant in variants:
         parts = variant.split("+")
-        if not {"q8rows", "hfhead", "q4head", "pywrapper"} & set(parts):
+        if not {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy"} & set(parts):
             continue
         variant_step, own_head = step, None
         if "pywrapper" in parts:  # compiled steps of its own, target's and head's, built as before CPU_INDUCTOR
@@ -153,13 +155,13 @@ def main() -> None:
             logits = lambda out, rows=rows: rows(out).float()  # noqa: E731
 
         def make(vocab_size: int, logits=logits, parts=parts, variant_head=variant_head, own_head=own_head
-                 ) -> EagleDrafter:
+                 ) -> EagleDrafter | CopyFirst:
             drafter = EagleDrafter(variant_head, pair.target, vocab_size, logits)
             if "hfhead" in parts:  # the head through transformers' layer, as before 2026-11-26
                 drafter.step = ModuleStep(variant_head, embed)
             if own_head is not None:
                 drafter.step = own_head
-            return drafter
+            return drafter if "nocopy" in parts else CopyFirst(drafter)
 
         jobs[variant] = ModelPair(pair.target, pair.tokenizer,
                                   DrafterSource(source.name, variant_head, make, drafts_trees=True,

@@ -156,25 +156,30 @@ class DecodeConfig:
 
     def budget(self, size: int, remaining: int, breadth: int | None = None) -> Budget | None:
         """What the drafter may propose at draft size ``size`` (a chain's tokens, a tree's depth) with
-        ``remaining`` tokens to go: None when nothing (AR, size 0, or one token left, which the target gives).
+        ``remaining`` tokens to go: None when nothing (AR, or one token left, which the target gives); at size 0,
+        a copy from the text alone (``Budget.tokens`` 0), which only a drafter that ``copies`` is asked for.
         A verified step adds one token after the drafts. A tree of ``breadth`` children per node (default: the
         config's ``tree_top_k``) at most; a tree one wide is drafted as the chain it is (of likeliest tokens, as
         the tree's are)."""
-        if self.method == "ar" or size < 1:
+        if self.method == "ar" or (size < 1 and self.draft_only):
             return None
         if self.draft_only:  # nothing judges the draft
             return Budget(min(size, remaining), None, self.draft_confidence, self.greedy_drafts, False)
         if remaining < 2:
             return None
+        copy = min(self.gamma, remaining - 1)  # a copied draft's length: --gamma, whatever size was planned
+        if size < 1:  # no draft planned: a copy from the text alone (``Drafter.copies``)
+            return Budget(0, None, self.draft_confidence, self.greedy_drafts, self.fuzzy, copy)
         breadth = min(breadth or self.tree_top_k, self.tree_top_k) if self.tree else 1
         if breadth == 1:  # a tree's drafts are its draft's likeliest tokens, so are a one-wide tree's
             greedy = self.greedy_drafts or self.tree
             # SD's test reads a chain's distributions where it was drawn from them (``Draft.sampled``)
             sampled = not (greedy or self.sampling.greedy)
-            return Budget(min(size, remaining - 1), None, self.draft_confidence, greedy, self.fuzzy or sampled)
+            return Budget(min(size, remaining - 1), None, self.draft_confidence, greedy, self.fuzzy or sampled, copy)
         tree = (tree_nodes(size, self.tree_total_tokens, breadth), size, breadth)
         # SD on a tree tests its tokens against the target's distribution alone
-        return Budget(min(self.gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts, self.fuzzy)
+        return Budget(min(self.gamma, remaining - 1), tree, self.draft_confidence, self.greedy_drafts, self.fuzzy,
+                      copy)
 
 
 @functools.lru_cache(maxsize=4096)  # (the planner asks for every shape it weighs, every step)

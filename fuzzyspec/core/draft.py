@@ -21,7 +21,9 @@ from .sampling import Sampling
 class Budget:
     """What a drafter may propose at one step.
 
-    ``tokens``: at most this many chain tokens (>= 1). ``tree``: (total nodes, depth, children per
+    ``tokens``: at most this many chain tokens (0: none, but a copy, asked only of a drafter that ``copies``).
+    ``copy``: at most this many tokens for a draft copied from the text so far (``drafters.lookup.CopyFirst``; 0:
+    none may be). ``tree``: (total nodes, depth, children per
     node) for drafters that draft trees, or None for a chain. ``min_confidence``: stop a chain
     before a token whose draft distribution's top probability is below it (the first token is
     always proposed). ``greedy``: propose the draft's most likely tokens even when sampling (the
@@ -35,6 +37,7 @@ class Budget:
     min_confidence: float = 0.0
     greedy: bool = False
     distributions: bool = True
+    copy: int = 0
 
 
 @dataclass
@@ -49,7 +52,10 @@ class Draft:
     lookup), which the rules use without building it. ``logits`` [n + 1, N]: the raw logits behind q (None
     with q). ``vocab``: the reduced draft vocabulary of q's N columns (None: N is the target's V).
     ``sampled``: children were drawn from q (chains under sampling: SD's min(1, p/q) test applies); otherwise they were
-    picked deterministically (argmax, top-k, lookup), which the rules treat as point masses.
+    picked deterministically (argmax, top-k, lookup), which the rules treat as point masses. ``planned``: the draft is
+    the one the row's draft size was planned for; False for one proposed beside it (a copy from the text so far,
+    ``drafters.lookup.CopyFirst``), whose cost and acceptance say nothing of the planned drafter's, so the engine
+    counts neither toward the sizes it plans.
     """
 
     tokens: Tensor
@@ -58,6 +64,7 @@ class Draft:
     logits: Tensor | None = None
     vocab: DraftVocab | None = None
     sampled: bool = False
+    planned: bool = True
     is_chain: bool = field(init=False)  # one child per node
     parent_ids: list[int] = field(init=False, repr=False)  # ``parents`` as a list, read once
 
@@ -139,12 +146,15 @@ class Drafter(Protocol):
     those tokens and at least one more, so a drafter can keep what it computed for them without comparing
     tokens on the device. ``forwards`` counts the drafter's model passes, for statistics. ``compiled``: the
     engine's word that the target's steps run compiled, so a drafter that can runs its own compiled too.
+    ``copies``: it may propose a draft copied from the text so far, at no model pass, even at a step whose
+    planned size is 0 (it is then asked with ``Budget.tokens`` 0, and answers a copy or None).
     """
 
     forwards: int
     name: str  # what it is called (the registry's name); costs are measured per name
     wants_target_features: ClassVar[bool]
     drafts_trees: ClassVar[bool]
+    copies: ClassVar[bool]
     feature_layers: list[int]
     compiled: bool
 
@@ -163,6 +173,7 @@ class BaseDrafter:
 
     wants_target_features: ClassVar[bool] = False
     drafts_trees: ClassVar[bool] = False
+    copies: ClassVar[bool] = False
     feature_layers: list[int] = []
     compiled: bool = False
 

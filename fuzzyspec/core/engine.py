@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .config import DecodeConfig
 from .cost import Acceptance, Option, draft_key, plan, population_key
-from .draft import Draft, Drafter
+from .draft import Budget, Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
 from .kvcache import StaticCache, attention_mask, chain_tree, write_positions
@@ -271,17 +271,20 @@ class Engine:
         drafts: dict[int, Draft | None] = {}
         proposals: dict[int, tuple[str, int]] = {}  # row -> (its drafting's profile key, size)
         proposal_ms: dict[int, float] = {}
+        unplanned = False
         for b, row in enumerate(self.slots):
             if row is None or row.done:  # (done: it ended as a step queued ahead was read; it leaves below)
                 continue
-            budget = row.config.budget(row.size, row.remaining, row.breadth) if row.drafter is not None else None
+            budget = self._budget(row)
             draft = None
             if budget is not None:
                 mark = self.timer.start()
                 draft = row.drafter.propose(row.sequence, budget, row.config.sampling, row.generator)
-                if draft is not None:
+                if draft is not None and draft.planned:
                     proposals[b] = (draft_key(row.drafter.name, row.breadth), row.size)
                     self.timer.stop(mark, lambda ms, b=b: proposal_ms.__setitem__(b, ms))
+                elif draft is not None:  # (a copy: the step's time is not what the planned sizes cost)
+                    unplanned = True
             if row.config.draft_only and not row.drafter.wants_target_features and draft is not None and len(draft):
                 row.stats.record_step(len(draft), len(draft), None)  # the draft decodes alone: nothing to verify
                 row.drafter.accepted(len(draft))
@@ -292,7 +295,7 @@ class Engine:
         if drafts:
             self._verify(drafts)
         self.timer.flush()
-        if self._forward_ms is not None and all(b in drafts for b in proposals):
+        if self._forward_ms is not None and not unplanned and all(b in drafts for b in proposals):
             self._price(len(drafts), proposals, proposal_ms, 1000 * (time.perf_counter() - clock) - self._forward_ms)
         return self._retire()
 
@@ -325,10 +328,17 @@ class Engine:
         return self.lookahead and self.shards == 1 and not any(
             row.logprobs is not None or self._drafts(row) for row in self.slots if row is not None and not row.done)
 
-    @staticmethod
-    def _drafts(row: Row) -> bool:
+    @classmethod
+    def _drafts(cls, row: Row) -> bool:
         """Whether ``row`` would ask its drafter for a draft at its planned size now."""
-        return row.drafter is not None and row.config.budget(row.size, row.remaining, row.breadth) is not None
+        return cls._budget(row) is not None
+
+    @staticmethod
+    def _budget(row: Row) -> Budget | None:
+        """What ``row``'s drafter may propose now, at its planned size: None where it is asked nothing (a size-0
+        budget allows only a copy, asked only of a drafter that ``copies``)."""
+        budget = row.config.budget(row.size, row.remaining, row.breadth) if row.drafter is not None else None
+        return budget if budget is None or budget.tokens or row.drafter.copies else None
 
     def _step_ahead(self) -> list[Row]:
         """One AR step for every row, run one ahead: the step queued last time (or, at first, one queued now from
@@ -494,12 +504,14 @@ class Engine:
                 row.drafter.accepted(len(verdict.path))
             row.stats.target_forwards += 1
             row.stats.record_step(verdict.proposed, len(verdict.path), verdict.d)
-            if row.config.gamma_schedule == "cost":
+            planned = draft is None or draft.planned  # (a copy's acceptance is not the planned drafter's)
+            if row.config.gamma_schedule == "cost" and planned:
                 if verdict.proposed:
                     row.acceptance.record(verdict.proposed, draft.ranks(verdict.path), row.breadth)
                 else:
                     row.acceptance.fade()
-            if row.config.gamma_schedule == "heuristic" and verdict.proposed and (draft is None or draft.is_chain):
+            if row.config.gamma_schedule == "heuristic" and verdict.proposed and planned and \
+                    (draft is None or draft.is_chain):
                 row.size = row.size + 2 if len(verdict.path) == verdict.proposed else max(1, row.size - 1)
             new = verdict.emitted
             if row.logprobs is not None:  # token i came from the target's distribution at kept column i

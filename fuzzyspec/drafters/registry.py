@@ -3,7 +3,8 @@ bench, the server, the transformers hook and the lm-eval model alike.
 
 Names:
 
-- ``default``: the drafter of the default job (``options.DEFAULT_JOB``) for the embedded target;
+- ``default``: the drafter of the default job (``options.DEFAULT_JOB``) for the embedded target, copying from the
+  text so far where its last 3 tokens occurred before (``lookup.CopyFirst``);
 - ``draft``: the draft LM shipped for the embedded target; ``eagle``: the EAGLE head shipped for it;
 - ``eagle:DIR``: any EAGLE head folder (ours, or an official EAGLE-1/2 or EAGLE-3 release);
 - ``self:N``: the target's own first N layers (no training; weak);
@@ -31,7 +32,7 @@ from ..options import DEFAULT_DRAFT, DEFAULT_JOB
 from .draftlm import DraftLM, is_shared_draft, load_draft_lm, self_draft
 from .eagle import EagleDrafter, head_logits, load_any_head
 from .head_step import head_step
-from .lookup import LookupDrafter
+from .lookup import CopyFirst, LookupDrafter
 from .model import ModelDrafter
 
 SHIPPED_KINDS = ("draft", "eagle")
@@ -99,6 +100,10 @@ def load_drafter(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokeni
     source = _load(DEFAULT_JOB["draft"] if name == DEFAULT_DRAFT else name, target, tokenizer, target_name, dtype,
                    device, weights)
     source.name = name
+    on_cpu = target.get_input_embeddings().weight.device.type == "cpu"
+    if name == DEFAULT_DRAFT and on_cpu:  # the default job copies from the text where it can (``lookup.CopyFirst``)
+        make = source.make
+        source.make = lambda vocab_size: CopyFirst(make(vocab_size))
     return source
 
 

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import math
 
@@ -7,9 +8,10 @@ from transformers import DynamicCache
 
 from conftest import noisy_copy, tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.engine import decode
+from fuzzyspec.core.engine import Engine, decode
 from fuzzyspec.core.divergences import divergence
 from fuzzyspec.core.draft import Budget
+from fuzzyspec.drafters.lookup import CopyFirst
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.core.kvcache import crop_to
 from fuzzyspec.core.rules import RULES
@@ -226,3 +228,35 @@ def test_answers_one_after_another_reuse_the_steps_cache(target, draft):
     assert step.borrow_cache(1, 256) is not lent  # lent out already: another engine gets its own
     step.give_back(lent)
     assert step.borrow_cache(1, 512) is not lent  # another shape: a new cache, as before
+
+
+class CopySpy(CopyFirst):
+    """CopyFirst that keeps its last draft, so a test can tell a copy's step."""
+
+    def propose(self, *arguments):
+        self.last = super().propose(*arguments)
+        return self.last
+
+
+@pytest.mark.parametrize("prompt", PROMPTS + [[3, 7, 2, 5, 3, 7, 2, 9, 3, 7, 2]])
+def test_copied_drafts_keep_greedy_sd_exact_and_stay_out_of_the_plan(target, draft, prompt):
+    """The default job copies from the text where it can (``CopyFirst``): the text is still the target's, and a
+    copy's step changes neither the row's acceptance nor the drafter's measured prices, which size the drafter's
+    own drafts."""
+    step = TargetStep(target)
+    engine = Engine(step, V)
+    drafter = CopySpy(ModelDrafter(draft, V))
+    config = DecodeConfig(method="sd", gamma=4, gamma_schedule="cost", max_new_tokens=40)
+    row = engine.add(torch.tensor([prompt]), config, drafter)
+    copies = planned = 0
+    while engine.rows:
+        drafter.last = None
+        acceptance, prices = copy.deepcopy(vars(row.acceptance)), copy.deepcopy(step.profile.draft)
+        engine.step()
+        if drafter.last is not None and not drafter.last.planned:
+            copies += 1
+            assert vars(row.acceptance) == acceptance and step.profile.draft == prices
+        elif drafter.last is not None:
+            planned += 1
+    assert row.sequence[0, len(prompt):].tolist() == hf_greedy(target, prompt, 40)
+    assert planned > 0 and (copies > 0 or len(prompt) < 11)
