@@ -52,6 +52,7 @@ SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRI
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
+OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy"}  # variant parts that build a job of their own (main)
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -86,7 +87,7 @@ def apply(variant: str) -> dict:
             continue
         if part.startswith("chain") and part[5:].isdigit():  # every step an N-token chain
             options |= {"tree": False, "gamma": int(part[5:]), "gamma_schedule": "constant", "method": "sd"}
-        elif part in ("q8rows", "hfhead", "q4head", "pywrapper", "nocopy"):
+        elif part in OWN_JOB:
             continue  # (its own job: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
             Profile.population = lambda self, key: None
@@ -132,7 +133,7 @@ def main() -> None:
     python_wrapper = None
     for variant in variants:
         parts = variant.split("+")
-        if not {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy"} & set(parts):
+        if not OWN_JOB & set(parts):
             continue
         variant_step, own_head = step, None
         if "pywrapper" in parts:  # compiled steps of its own, target's and head's, built as before CPU_INDUCTOR

@@ -161,10 +161,11 @@ class DecodeConfig:
         A verified step adds one token after the drafts. A tree of ``breadth`` children per node (default: the
         config's ``tree_top_k``) at most; a tree one wide is drafted as the chain it is (of likeliest tokens, as
         the tree's are)."""
-        if self.method == "ar" or (size < 1 and self.draft_only):
+        if self.method == "ar":
             return None
-        if self.draft_only:  # nothing judges the draft
-            return Budget(min(size, remaining), None, self.draft_confidence, self.greedy_drafts, False)
+        if self.draft_only:  # nothing judges the draft (so nothing is copied either)
+            return Budget(min(size, remaining), None, self.draft_confidence, self.greedy_drafts, False) \
+                if size >= 1 else None
         if remaining < 2:
             return None
         copy = min(self.gamma, remaining - 1)  # a copied draft's length: --gamma, whatever size was planned
