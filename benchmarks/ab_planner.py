@@ -13,7 +13,8 @@ acceptance 0.P), ``kK`` (each further child per node catching 0.K of the misses 
 running mean, as before 2026-11-26), ``pywrapper`` (the target's and head's compiled steps with inductor's Python
 wrapper and size checks, as before ``step.CPU_INDUCTOR``) and ``unfused`` (eager float32 layers' norms and rotary
 embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``), ``nocopy`` (the EAGLE head
-alone, never copying from the text, as before ``drafters.lookup.CopyFirst``); ``pywrapper`` and ``unfused`` also join
+alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``gammacopy`` (every copy as long as
+--gamma allows, as before ``cost.copy_length``); ``pywrapper`` and ``unfused`` also join
 ``ar`` (``ar+pywrapper``, ``ar+unfused``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
 
@@ -52,6 +53,7 @@ SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRI
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
+SHIPPED_COPY_LENGTH = engine.copy_length
 OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy"}  # variant parts that build a job of their own (main)
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
@@ -80,6 +82,7 @@ def apply(variant: str) -> dict:
     Profile.population = POPULATION
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
     step_module._fused = SHIPPED_FUSED
+    engine.copy_length = SHIPPED_COPY_LENGTH
     options = {}
     for part in variant.split("+"):
         if part == "ar":
@@ -95,6 +98,8 @@ def apply(variant: str) -> dict:
             engine.PLAN_EVERY = int(part[4:])  # 2026-11-26's engine.PLAN_EVERY)
         elif part == "unfused":
             step_module._fused = lambda x: False
+        elif part == "gammacopy":  # every copy at its cap, as before cost.copy_length (2026-11-26, night)
+            engine.copy_length = lambda acceptance, profile, cap, *shape: cap
         elif part == "chains":
             options["tree"] = False
         elif part == "meanfold":

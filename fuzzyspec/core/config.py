@@ -154,13 +154,15 @@ class DecodeConfig:
         """The largest draft size a row of this config uses: a tree's depth, or a chain's gamma."""
         return self.tree_depth if self.tree else self.gamma
 
-    def budget(self, size: int, remaining: int, breadth: int | None = None) -> Budget | None:
+    def budget(self, size: int, remaining: int, breadth: int | None = None, copy: int | None = None
+               ) -> Budget | None:
         """What the drafter may propose at draft size ``size`` (a chain's tokens, a tree's depth) with
         ``remaining`` tokens to go: None when nothing (AR, or one token left, which the target gives); at size 0,
         a copy from the text alone (``Budget.tokens`` 0), which only a drafter that ``copies`` is asked for.
         A verified step adds one token after the drafts. A tree of ``breadth`` children per node (default: the
         config's ``tree_top_k``) at most; a tree one wide is drafted as the chain it is (of likeliest tokens, as
-        the tree's are)."""
+        the tree's are). A copy holds ``copy`` tokens at most (the cost schedule's ``cost.copy_length``), and never
+        more than ``gamma``."""
         if self.method == "ar":
             return None
         if self.draft_only:  # nothing judges the draft (so nothing is copied either)
@@ -168,7 +170,7 @@ class DecodeConfig:
                 if size >= 1 else None
         if remaining < 2:
             return None
-        copy = min(self.gamma, remaining - 1)  # a copied draft's length: --gamma, whatever size was planned
+        copy = min(self.gamma if copy is None else copy, self.gamma, remaining - 1)
         if size < 1:  # no draft planned: a copy from the text alone (``Drafter.copies``)
             return Budget(0, None, self.draft_confidence, self.greedy_drafts, self.fuzzy, copy)
         breadth = min(breadth or self.tree_top_k, self.tree_top_k) if self.tree else 1

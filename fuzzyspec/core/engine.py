@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .config import DecodeConfig
-from .cost import Acceptance, Option, draft_key, plan, population_key
+from .cost import COPY, Acceptance, Option, copy_length, draft_key, plan, population_key
 from .draft import Budget, Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
@@ -109,6 +109,8 @@ class Row:
     breadth: int  # children per drafted node: 1 for a chain (the cost schedule may narrow a tree to one)
     slot: int
     acceptance: Acceptance = field(default_factory=Acceptance)  # for the cost schedule
+    copy: int | None = None  # the longest copy from the text it may draft (cost schedule), else --gamma
+    copies: Acceptance = field(default_factory=Acceptance)  # its copies' acceptance, kept apart (``copy_length``)
     finish_reason: str | None = None  # "stop" (EOS or the callback) or "length" once finished
     logprobs: int | None = None  # record each emitted token's log-probability and this many top alternatives
     # (token, log p(token), [(token, log p), ...] the top ``logprobs``) per emitted token, under the row's
@@ -214,9 +216,10 @@ class Engine:
                       input_ids, input_ids.shape[1], config.size_cap, config.tree_top_k if config.tree else 1,
                       slot, logprobs=job.logprobs)
             if drafter is not None and config.gamma_schedule == "cost":  # its estimates start from what the
-                # drafter's earlier rows met
-                row.acceptance.population = self.step_fn.profile.population(population_key(
-                    drafter.name, config.method, config.threshold, config.sampling.greedy))
+                # drafter's earlier rows met (and its copies' from earlier copies)
+                for acceptance, name in ((row.acceptance, drafter.name), (row.copies, COPY))[: 1 + drafter.copies]:
+                    acceptance.population = self.step_fn.profile.population(population_key(
+                        name, config.method, config.threshold, config.sampling.greedy))
             row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
             self.slots[slot] = row
             added.append(row)
@@ -337,7 +340,7 @@ class Engine:
     def _budget(row: Row) -> Budget | None:
         """What ``row``'s drafter may propose now, at its planned size: None where it is asked nothing (a size-0
         budget allows only a copy, asked only of a drafter that ``copies``)."""
-        budget = row.config.budget(row.size, row.remaining, row.breadth) if row.drafter is not None else None
+        budget = row.config.budget(row.size, row.remaining, row.breadth, row.copy) if row.drafter is not None else None
         return budget if budget is None or budget.tokens or row.drafter.copies else None
 
     def _step_ahead(self) -> list[Row]:
@@ -438,10 +441,13 @@ class Engine:
         options = [Option.of(row.drafter.name, row.config, max(row.remaining - 1, 0)) for _, row in planned]
         drafts = plan(options, [row.acceptance for _, row in planned], self.step_fn.profile, self.step_fn.shape,
                       len(self.slots) - len(planned))
+        copies = [copy_length(row.copies, self.step_fn.profile, min(row.config.gamma, row.remaining - 1),
+                              self.step_fn.shape, len(self.slots)) if row.drafter.copies else None
+                  for _, row in planned]
         if self.shards > 1:  # each rank timed its own steps: rank 0's plan is everyone's
-            drafts = agree(drafts)
-        for (_, row), (size, breadth) in zip(planned, drafts):
-            row.size, row.breadth = size, breadth
+            drafts, copies = agree((drafts, copies))
+        for (_, row), (size, breadth), copy in zip(planned, drafts, copies):
+            row.size, row.breadth, row.copy = size, breadth, copy
 
     def _feature_layers(self, readers: list[Drafter]) -> tuple[int, ...]:
         """The target's layers whose hidden states the drafters ``readers`` read, as the step numbers them."""
@@ -510,6 +516,8 @@ class Engine:
                     row.acceptance.record(verdict.proposed, draft.ranks(verdict.path), row.breadth)
                 else:
                     row.acceptance.fade()
+            elif row.config.gamma_schedule == "cost":
+                row.copies.record(verdict.proposed, draft.ranks(verdict.path))
             if row.config.gamma_schedule == "heuristic" and verdict.proposed and planned and \
                     (draft is None or draft.is_chain):
                 row.size = row.size + 2 if len(verdict.path) == verdict.proposed else max(1, row.size - 1)

@@ -51,7 +51,8 @@ class LookupDrafter(BaseDrafter):
 
 class CopyFirst(BaseDrafter):
     """``drafter``, except where the sequence's last ``ngram`` tokens occurred earlier in it: then the tokens that
-    followed them, copied (up to ``Budget.copy``; a draft not ``planned``). The default job drafts so.
+    followed them, copied (up to ``Budget.copy``, which the cost schedule sizes from the copies' own acceptance and
+    the measured widths, ``cost.copy_length``; a draft not ``planned``). The default job drafts so.
 
     Why: on everyday prompts (the target's greedy answers to 32 of them, 2026-11-26), the last 3 tokens had occurred
     before at 12% of the steps, and then the copy's first token was the target's 73% of the time and 2.1 of up to 4

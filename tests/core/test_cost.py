@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.cost import (MEMORY, POPULATION_MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TRIALS, Acceptance, Option,
-                                  Profile, plan, population_key)
+                                  Profile, copy_length, plan, population_key)
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
@@ -47,6 +47,23 @@ def test_where_verifying_is_nearly_free_the_arithmetic_picks_the_size():
     assert plan([Option("d", 5)], [acceptance], profile) == [(max(rates, key=rates.get), 1)]
     assert plan([Option("d", 5)], [acceptance], profile) == plan([Option("d", 5)], [acceptance], profile)
     assert plan([Option("d", 2)], [acceptance], profile)[0][0] <= 2  # the cap holds
+
+
+def test_a_copys_length_is_the_one_its_acceptance_and_the_measured_widths_pay_for():
+    """A copy from the text takes no model pass: its length trades the tokens its acceptance expects against what
+    the wider forward costs. Where a wide pass costs about one step, copies run to the cap; where each token adds a
+    lot, they stay short; the choice is the arithmetic's, the cap holds, and the shorter wins a tie."""
+    copies = accepting(0.8)
+    flat = Profile(target={w: 10.0 + 0.1 * w for w in range(1, 10)}, outside={1: 1.0})
+    assert copy_length(copies, flat, 5) == 5 and copy_length(copies, flat, 3) == 3
+    steep = Profile(target={1: 10.0, 2: 11.0, 3: 14.0, 4: 17.0, 5: 20.0, 6: 23.0}, outside={1: 1.0})
+    rates = {g: copies.expected(g)[g] / (steep.target_ms(1 + g) + 1.0) for g in range(1, 6)}
+    assert copy_length(copies, steep, 5) == max(rates, key=rates.get) < 5
+    assert copy_length(accepting(0.2), steep, 5) == 1  # at least one token: a copy is not weighed against no draft
+    assert copy_length(copies, steep, 0) == 0
+    assert copy_length(copies, Profile(target={w: 10.0 for w in range(1, 10)}), 4) == 4
+    padded = Profile(target={1: 10.0, 4: 10.0, 8: 30.0})  # widths 2-4 run at 4, 5-8 at 8
+    assert copy_length(copies, padded, 5, lambda width, rows: (4 if width <= 4 else 8, rows)) == 3
 
 
 def test_a_smaller_draft_than_any_measured_is_costed_as_its_share_not_as_the_largest():

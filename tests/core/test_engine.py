@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from conftest import noisy_copy, tiny_llama
 from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.cost import MEMORY, Profile
 from fuzzyspec.core.engine import Engine, decode
 from fuzzyspec.core.divergences import divergence
 from fuzzyspec.core.draft import Budget
@@ -252,11 +253,36 @@ def test_copied_drafts_keep_greedy_sd_exact_and_stay_out_of_the_plan(target, dra
     while engine.rows:
         drafter.last = None
         acceptance, prices = copy.deepcopy(vars(row.acceptance)), copy.deepcopy(step.profile.draft)
+        copied_before = sum(row.copies.reached.get(1, []))
         engine.step()
         if drafter.last is not None and not drafter.last.planned:
             copies += 1
             assert vars(row.acceptance) == acceptance and step.profile.draft == prices
+            assert sum(row.copies.reached.get(1, [])) > copied_before * MEMORY  # the copies' own, instead
+            assert len(drafter.last) <= row.copy
         elif drafter.last is not None:
             planned += 1
     assert row.sequence[0, len(prompt):].tolist() == hf_greedy(target, prompt, 40)
     assert planned > 0 and (copies > 0 or len(prompt) < 11)
+
+
+def test_copies_are_as_long_as_the_measured_widths_pay_for(target, draft):
+    """Where verifying more than two tokens is dear, the text's copies hold one token; where it is as cheap as one,
+    they run to --gamma. The text is the target's either way."""
+    prompt = [3, 7, 2, 5, 3, 7, 2, 9, 3, 7, 2] * 2
+    lengths = {}
+    for name, costs in (("dear", {1: 1.0, 2: 1.1, 3: 1e4}), ("cheap", {w: 1.0 for w in range(1, 8)})):
+        step = TargetStep(target)
+        step.profile = Profile(target=costs, outside={1: 0.1})
+        engine = Engine(step, V)
+        drafter = CopySpy(ModelDrafter(draft, V))
+        row = engine.add(torch.tensor([prompt]), DecodeConfig(method="sd", gamma=4, gamma_schedule="cost",
+                                                              max_new_tokens=30), drafter)
+        lengths[name] = set()
+        while engine.rows:
+            drafter.last = None
+            engine.step()
+            if drafter.last is not None and not drafter.last.planned:
+                lengths[name].add(len(drafter.last))
+        assert row.sequence[0, len(prompt):].tolist() == hf_greedy(target, prompt, 30)
+    assert lengths["dear"] == {1} and 4 in lengths["cheap"]
