@@ -81,6 +81,10 @@ def build_soon() -> None:
     compiler runs in other processes, so a model can load meanwhile (a first use's ~7 s of building beside
     the ~6 s of converting a GGUF's tokenizer). Whoever asks ``available`` next waits for it."""
     if _build.cache_info().currsize == 0 and not _building.locked():
+        # Imported here, so the thread imports nothing: importing it imports setuptools, which edits sys.meta_path
+        # and sys.path, and on the thread that raced the main thread's own imports while a model loaded (a first
+        # run's tokenizer conversion once failed with ModuleNotFoundError for a module that was there).
+        from torch.utils import cpp_extension  # noqa: F401
         threading.Thread(target=unavailable, name="fuzzyspec-kernels").start()
 
 

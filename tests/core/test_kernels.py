@@ -84,3 +84,18 @@ def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch):
     assert kernels.available() and builds == ["fuzzyspec-kernels"]  # waited for the thread's build
     kernels.build_soon()  # built already: nothing more starts
     assert kernels.available() and builds == ["fuzzyspec-kernels"]
+
+
+def test_the_build_thread_leaves_the_import_system_alone():
+    """The kernels build while a model loads (``build_soon``). Importing ``torch.utils.cpp_extension`` imports
+    setuptools, which edits ``sys.meta_path``: done on that thread, it raced the main thread's imports (a first run
+    failed with ModuleNotFoundError for a module that was there). So it is imported before the thread starts."""
+    probe = ("import sys, threading\n"
+             "from fuzzyspec.core import kernels\n"
+             "assert 'setuptools' not in sys.modules\n"
+             "seen = []\n"
+             "threading.Thread.start = lambda self: seen.append('setuptools' in sys.modules)\n"
+             "kernels.build_soon()\n"
+             "assert seen == [True], seen\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
