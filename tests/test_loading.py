@@ -129,3 +129,38 @@ def test_tune_compares_weights_again_whichever_form_auto_holds(tmp_path, monkeyp
     assert weight_form(None) == "int4"
     report = cli._compare_weights(args, "cpu", {1: 35.0})  # and from int4, the float form is timed
     assert loaded == ["int4", "fp32"] and report["fastest"] == "fp32" and weight_form(None) == "float32"
+
+
+@pytest.mark.embedded
+def test_the_embedded_tokenizer_converts_directly_as_autotokenizer_would(tmp_path, monkeypatch):
+    """A first run converts the embedded GGUF's tokenizer without ``AutoTokenizer``'s 9-second read of the whole
+    file (``loading._converted_tokenizer``). It must be the tokenizer ``AutoTokenizer`` makes: the ids, the chat
+    template and the special tokens below are what ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` gave
+    (transformers 5.24, 2026-11-26)."""
+    from fuzzyspec.loading import _gguf_tokenizer, embedded_gguf
+
+    gguf = tmp_path / "copy" / embedded_gguf().name  # (a GGUF elsewhere goes through AutoTokenizer, as before)
+    gguf.parent.mkdir()
+    gguf.symlink_to(embedded_gguf())
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("fuzzyspec.loading.embedded_gguf", lambda: gguf)
+    from transformers import AutoTokenizer
+    reads = AutoTokenizer.from_pretrained
+
+    def without_the_whole_file_read(*args, **kwargs):
+        assert "gguf_file" not in kwargs, "converted through AutoTokenizer's read of the whole file"
+        return reads(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", without_the_whole_file_read)
+    tokenizer = _gguf_tokenizer(str(gguf))
+    assert tokenizer("Give me three tips for writing clear emails.")["input_ids"] == [
+        26533, 549, 1296, 5608, 327, 2385, 2437, 14902, 30]
+    assert tokenizer("  naïve café — 你好, <|im_end|> x\n\n\tdef f(x):\n    return x**2")["input_ids"] == [
+        216, 15486, 46494, 37366, 1841, 216, 18645, 250, 48392, 138, 28, 216, 2, 1792, 1116, 197, 1604, 275, 24, 104,
+        727, 472, 1003, 1792, 828, 34]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
+                                         add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token, len(tokenizer)) == (
+        2, 1, "<|im_end|>", 49152)
