@@ -345,6 +345,17 @@ def _decided(options: dict, draft: str | None, target_acceptance: float | None =
     return DecodeConfig.from_options(options, drafter=drafter, target_acceptance=target_acceptance)
 
 
+def _build_kernels_soon(args: argparse.Namespace, device: str) -> None:
+    """Start building (or loading) the CPU kernels where the target will likely need them, before the imports that
+    deciding the job and loading the model take (3-5 s): on a machine's first use their build (about 8 s on 2 cores)
+    was the longest wait of a first answer."""
+    from .core import kernels, parallel
+    from .loading import int4_likely
+
+    if int4_likely(args.target, args.dtype, device, args.weights, parallel.launched()):
+        kernels.build_soon()
+
+
 def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_running: bool):
     """The target (in its weights form, compiled or not) and the drafter, with progress while it compiles."""
     from .api import ModelPair
@@ -450,8 +461,9 @@ def _generate(args: argparse.Namespace) -> None:
     prompt = _read_prompt(args)
     options = given_options(args)
     draft = None if options.get("method") == "ar" else args.draft
-    config = _decided(options, draft, args.target_acceptance)
     device = _device(args)
+    _build_kernels_soon(args, device)
+    config = _decided(options, draft, args.target_acceptance)
     pair = _load_pair(args, draft, device, long_running=False)
     _check_context(pair, prompt, args.chat, config.max_new_tokens)
     config = dataclasses.replace(config, eos_token_ids=pair.eos_token_ids)

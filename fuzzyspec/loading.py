@@ -16,12 +16,15 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .core import kernels
 from .files import cache_dir, write_whole
+
+if TYPE_CHECKING:  # (imported where used: transformers takes about 3 s, and ``int4_likely`` is asked before)
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,6 +107,7 @@ def embedded_folder() -> Path:
 
 def convert_gguf(gguf: Path, folder: Path) -> None:
     """Dequantize a GGUF file into a transformers folder (float32 safetensors and tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     print(f"fuzzyspec: first use: converting {gguf.name} once into {folder} (about 20 s) ...", file=sys.stderr,
@@ -208,6 +212,12 @@ def _has_int4_linears(name: str | None) -> bool:
         return True  # not readable here: loading it says what is wrong
 
 
+def int4_likely(name: str | None, dtype: str, device: str, weights: str | None, tp: bool = False) -> bool:
+    """Whether ``load_model`` will likely hold this target at 4 bits (``weight_form`` decides), so its kernels are
+    worth building ahead (``kernels.build_soon``): a llama GGUF with 4-bit weights, on the CPU, one process."""
+    return weights in ("auto", "int4") and dtype in ("auto", "float32") and not tp and _int4_file(name, device)
+
+
 def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto",
                tp: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
@@ -219,10 +229,12 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
     ``cuda:N``, or ``auto`` to spread a large model over all GPUs (``device_map="auto"``). ``tp``: shard
     it over the ranks of this ``torchrun`` launch with transformers' tensor-parallel plan (``core.parallel``).
     """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = None
-    if weights in ("auto", "int4") and dtype in ("auto", "float32") and not tp and _int4_file(name, device):
-        # Likely the int4 form, which needs the kernels (built on a machine's first use) and the file's
-        # tokenizer (converted on its first use): the one is built in other processes while the other converts.
+    if int4_likely(name, dtype, device, weights, tp):
+        # The int4 form needs the kernels (built on a machine's first use) and the file's tokenizer (converted
+        # on its first use): the one is built in other processes while the other converts.
         kernels.build_soon()
         tokenizer = _gguf_tokenizer(name)
     form = dtype if weights is None else weight_form(name, weights, dtype, device)
@@ -298,6 +310,8 @@ def _load_int4(name: str | None, tokenizer: PreTrainedTokenizerBase | None = Non
 def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
     """A GGUF target's tokenizer: transformers reads it from the file (several seconds), so it is kept as a
     folder in the fuzzyspec cache (the embedded model's converted folder serves when it is there)."""
+    from transformers import AutoTokenizer
+
     path = gguf_source(name)
     if not path.is_file():
         raise LoadError(f"model file not found: {name}")
@@ -323,9 +337,9 @@ def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     ``gguf`` package to learn the model's config, which picks the tokenizer's class: 9 of its 10.5 s on the
     embedded model (2026-11-26), the longest part of a first run. The embedded model's class is known
     (``TokenizersBackend``, whose files are the same byte for byte), so its tokenizer is built directly (0.5 s)."""
-    if path == embedded_gguf():
-        from transformers import TokenizersBackend
+    from transformers import AutoTokenizer, TokenizersBackend
 
+    if path == embedded_gguf():
         return TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
