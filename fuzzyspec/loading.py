@@ -337,10 +337,12 @@ def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     ``gguf`` package to learn the model's config, which picks the tokenizer's class: 9 of its 10.5 s on the
     embedded model (2026-11-26), the longest part of a first run. The embedded model's class is known
     (``TokenizersBackend``, whose files are the same byte for byte), so its tokenizer is built directly (0.5 s)."""
-    from transformers import AutoTokenizer, TokenizersBackend
-
     if path == embedded_gguf():
+        from transformers import TokenizersBackend
+
         return TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 

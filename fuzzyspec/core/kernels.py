@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import platform
 import sys
@@ -78,13 +79,13 @@ def unavailable() -> str | None:
 
 def build_soon() -> None:
     """Build (or load) the kernels on a thread of their own, where that has not been done in this process: the
-    compiler runs in other processes, so a model can load meanwhile (a first use's ~7 s of building beside
-    the ~6 s of converting a GGUF's tokenizer). Whoever asks ``available`` next waits for it."""
+    compiler runs in other processes, so the rest can import and load meanwhile (a first use's ~8 s of building, on
+    2 cores, beside the imports and the tokenizer's conversion). Whoever asks ``available`` next waits for it."""
     if _build.cache_info().currsize == 0 and not _building.locked():
         # Imported here, so the thread imports nothing: importing it imports setuptools, which edits sys.meta_path
         # and sys.path, and on the thread that raced the main thread's own imports while a model loaded (a first
         # run's tokenizer conversion once failed with ModuleNotFoundError for a module that was there).
-        from torch.utils import cpp_extension  # noqa: F401
+        importlib.import_module("torch.utils.cpp_extension")
         threading.Thread(target=unavailable, name="fuzzyspec-kernels").start()
 
 
