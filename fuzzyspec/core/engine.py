@@ -217,9 +217,10 @@ class Engine:
                       slot, logprobs=job.logprobs)
             if drafter is not None and config.gamma_schedule == "cost":  # its estimates start from what the
                 # drafter's earlier rows met (and its copies' from earlier copies)
-                for acceptance, name in ((row.acceptance, drafter.name), (row.copies, COPY))[: 1 + drafter.copies]:
-                    acceptance.population = self.step_fn.profile.population(population_key(
-                        name, config.method, config.threshold, config.sampling.greedy))
+                profile, rule = self.step_fn.profile, (config.method, config.threshold, config.sampling.greedy)
+                row.acceptance.population = profile.population(population_key(drafter.name, *rule))
+                if drafter.copies:
+                    row.copies.population = profile.population(population_key(COPY, *rule))
             row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
             self.slots[slot] = row
             added.append(row)
