@@ -163,7 +163,7 @@ void tile(const Operands& o, Eight, int64_t g, int64_t t) {
 
 #else
 
-constexpr int TILE = 4;  // (16 vector registers: eight hold a block's unpacked codes)
+constexpr int TILE = 4;  // (16 vector registers: a token's sums and accumulator each, and the codes being read)
 
 // Eight int32 sums of four products of unsigned by signed bytes, added to acc: one instruction with AVX-VNNI,
 // else AVX2's pairs to int16 (maddubs) and pairs of those to int32 (madd). The same integers either way.
@@ -175,7 +175,32 @@ inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// As the AVX-512 tiles, the group as two halves of 8 rows.
+// A Q4 block's eight int32 sums, a step of four inputs' low-nibble codes and one's high-nibble codes at a time.
+// Without VNNI they stay as int16 pairs (maddubs) until the block ends and widen once (madd): a pair of a code
+// (0..15) and an activation (-127..127) is at most 3,810 in size, eight steps' 30,480, inside int16, so the sums
+// are the same integers as widened step by step, for a third fewer instructions. (Q8's signed pairs reach
+// 32,512: they widen every step.) With VNNI, two chains, so a lone token's multiply-adds do not wait in one line.
+struct Q4Sums {
+#if defined(__AVXVNNI__)
+  __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+  void add(__m256i lo, __m256i a_lo, __m256i hi, __m256i a_hi) {
+    low = _mm256_dpbusd_avx_epi32(low, lo, a_lo);
+    high = _mm256_dpbusd_avx_epi32(high, hi, a_hi);
+  }
+  __m256i total() const { return _mm256_add_epi32(low, high); }
+#else
+  __m256i pairs = _mm256_setzero_si256();
+  void add(__m256i lo, __m256i a_lo, __m256i hi, __m256i a_hi) {
+    pairs = _mm256_add_epi16(pairs, _mm256_add_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_maddubs_epi16(hi, a_hi)));
+  }
+  __m256i total() const { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+#endif
+};
+
+inline __m256i broadcast(const int8_t* a) { return _mm256_set1_epi32(four_bytes(a)); }
+
+// As the AVX-512 tiles, the group as two halves of 8 rows. Each step's codes are read and unpacked once for
+// every token of the tile (steps outside, tokens inside).
 template <int TN>
 void tile(const Operands& o, Four, int64_t g, int64_t t) {
   const int64_t nb = o.blocks;
@@ -185,23 +210,20 @@ void tile(const Operands& o, Four, int64_t g, int64_t t) {
     for (int i = 0; i < TN; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = o.packed + (g * nb + b) * Four::bytes;
-      __m256i w[8];
-      for (int j = 0; j < 4; ++j) {
+      const int8_t* a = o.x + (t * nb + b) * 32;  // token t + i's block: a + i * K
+      const int64_t K = nb * 32;
+      Q4Sums sums[TN];
+      for (int j = 0; j < 4; ++j) {  // codes 4j..4j+3 in the low nibbles, 16 + 4j.. in the high ones
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
-        w[j] = _mm256_and_si256(raw, low);
-        w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int i = 0; i < TN; ++i)
+          sums[i].add(lo, broadcast(a + i * K + 4 * j), hi, broadcast(a + i * K + 16 + 4 * j));
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 256 + 16 * h)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 288 + 16 * h)));
       for (int i = 0; i < TN; ++i) {
         const int64_t block = (t + i) * nb + b;
-        const int8_t* a = o.x + block * 32;
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-          s0 = accumulate(s0, w[j], _mm256_set1_epi32(four_bytes(a + 4 * j)));
-          s1 = accumulate(s1, w[j + 4], _mm256_set1_epi32(four_bytes(a + 16 + 4 * j)));
-        }
-        const __m256 products = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        const __m256 products = _mm256_cvtepi32_ps(sums[i].total());
         acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(o.x_scale[block])), products, acc[i]);
         acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(o.x_sum[block]), acc[i]);
       }
@@ -218,19 +240,20 @@ void tile(const Operands& o, Eight, int64_t g, int64_t t) {
     for (int i = 0; i < TN; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = o.packed + (g * nb + b) * Eight::bytes;
+      const int8_t* a = o.x + (t * nb + b) * 32;
+      const int64_t K = nb * 32;
+      __m256i sums[TN];
+      for (int i = 0; i < TN; ++i) sums[i] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {  // signed codes: their magnitudes times the activations given their signs
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+        const __m256i magnitude = _mm256_sign_epi8(w, w);
+        for (int i = 0; i < TN; ++i)
+          sums[i] = accumulate(sums[i], magnitude, _mm256_sign_epi8(broadcast(a + i * K + 4 * j), w));
+      }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 512 + 16 * h)));
       for (int i = 0; i < TN; ++i) {
         const int64_t block = (t + i) * nb + b;
-        const int8_t* a = o.x + block * 32;
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {  // signed codes: magnitudes times the activations given their signs
-          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
-          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (j + 4) + 32 * h));
-          s0 = accumulate(s0, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(a + 4 * j)), w0));
-          s1 = accumulate(s1, _mm256_sign_epi8(w1, w1),
-                          _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(a + 16 + 4 * j)), w1));
-        }
-        const __m256 products = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        const __m256 products = _mm256_cvtepi32_ps(sums[i]);
         acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(o.x_scale[block])), products, acc[i]);
       }
     }

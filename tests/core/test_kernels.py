@@ -47,6 +47,11 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
              "x": torch.randn(9, 96, generator=generator),
              "attention": (torch.randn(2, 5, 6, 12, generator=generator), torch.randn(2, 2, 40, 12, generator=generator),
                            torch.randn(2, 2, 40, 12, generator=generator), mask)}
+    # the largest integer sums (AVX2 adds a Q4 block's products in int16): whole rows of the extreme codes, against
+    # tokens whose every activation code is 127, or -127
+    saved["codes4"][:4] = 15
+    saved["codes8"][:4], saved["codes8"][4:8] = -128, 127
+    saved["x"][7], saved["x"][8] = 1.0, -1.0
     torch.save(saved, tmp_path / "in.pt")
     four = Int4Linear.from_codes(saved["codes4"], saved["scales"], saved["minimums"])
     eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])

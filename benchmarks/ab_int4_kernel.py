@@ -1,0 +1,168 @@
+"""Our 4-bit kernel against the kernel of another commit, A/B in one process: each product of the embedded target's
+shapes at 1-17 tokens, the target's eager step at a few widths, and eager decoding (AR and the default job) of
+everyday prompts, every configuration interleaved.
+
+Both kernel sources (``fuzzyspec/core/int4_kernel.cpp`` of the working tree and of ``--before``) are built for this
+machine's instruction set (or FUZZYSPEC_INT4_ISA's) under op namespaces of their own, and the model's 4-bit layers
+are pointed at one or the other between calls (eager steps look their op up at each call). The two kernels must
+give the same numbers bit for bit (checked on every product), so only time differs. To see the AVX2 class on a
+wider CPU: ``ATEN_CPU_CAPABILITY=avx2 FUZZYSPEC_INT4_ISA=avx2``.
+
+Usage: python benchmarks/ab_int4_kernel.py [--before 62c50b8] [--prompts 16] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import everyday  # noqa: E402 (this folder's module)
+
+from fuzzyspec import tuning  # noqa: E402
+from fuzzyspec.api import ModelPair  # noqa: E402
+from fuzzyspec.core import int4, kernels  # noqa: E402
+from fuzzyspec.core.cost import Profile  # noqa: E402
+from fuzzyspec.core.step import TargetStep  # noqa: E402
+from fuzzyspec.files import cache_dir  # noqa: E402
+from fuzzyspec.loading import cpu_isa  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "fuzzyspec/core/int4_kernel.cpp"
+SHAPES = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536), "head Q8_0": (49152, 576)}
+COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
+
+
+def build(tag: str, source: str):
+    """The kernel ``source`` built under the op namespace ``ab_<tag>_<isa>``; that namespace."""
+    from torch.utils import cpp_extension
+
+    name = f"ab_{tag}_{kernels.isa().replace('-', '_')}"
+    folder = cache_dir() / "ab_kernels" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.cpp"
+    text = source.replace("fuzzyspec_int4", name)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    cpp_extension.load(name, [str(path)], build_directory=str(folder), is_python_module=False,
+                       extra_cflags=kernels.build_flags())
+    return getattr(torch.ops, name)
+
+
+def use(namespace) -> None:
+    """Point every 4-bit layer's op lookup (``torch.ops.fuzzyspec_int4``) at ``namespace``."""
+    torch.ops.fuzzyspec_int4 = namespace
+
+
+def products(kernels_by_tag: dict, generator: torch.Generator) -> None:
+    print("products: us a call, median, the two interleaved")
+    for name, (n, k) in SHAPES.items():
+        if name.startswith("head"):
+            layer = int4.Int8Linear.from_codes(torch.randint(-127, 128, (n, k), generator=generator),
+                                               (torch.rand(n, k // 32, generator=generator) * 0.01).half())
+            op = "mm_q8"
+        else:
+            layer = int4.Int4Linear.from_codes(torch.randint(0, 16, (n, k), generator=generator),
+                                               (torch.rand(n, k // 32, generator=generator) * 0.02).half(),
+                                               (-torch.rand(n, k // 32, generator=generator) * 0.1).half())
+            op = "mm_q4"
+        calls = {tag: getattr(namespace, op) for tag, namespace in kernels_by_tag.items()}
+        for tokens in (1, 2, 4, 6, 17):
+            x = torch.randn(tokens, k, generator=generator)
+            before, after = (calls[tag](x, layer.packed) for tag in ("before", "after"))
+            if not torch.equal(before, after):
+                raise SystemExit(f"ab_int4_kernel: the kernels' {name} products differ at {tokens} tokens")
+            times = {tag: [] for tag in calls}
+            for repeat in range(400 if op == "mm_q4" else 40):
+                for tag in (("before", "after") if repeat % 2 else ("after", "before")):
+                    start = time.perf_counter()
+                    calls[tag](x, layer.packed)
+                    times[tag].append(time.perf_counter() - start)
+            old, new = (statistics.median(times[tag]) * 1e6 for tag in ("before", "after"))
+            print(f"  {name:10s} {tokens:3d} tokens  before {old:8.1f}  after {new:8.1f}  before/after {old / new:.2f}x",
+                  flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", default="62c50b8", help="the commit whose kernel is the baseline")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernels.available():
+        raise SystemExit(f"ab_int4_kernel: {kernels.unavailable()}")
+    old = subprocess.run(["git", "show", f"{args.before}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    namespaces = {"before": build("before", old), "after": build("after", (ROOT / SOURCE).read_text())}
+    print(f"ab_int4_kernel: CPU {cpu_isa()}; kernels built for {kernels.isa()}; torch's code for "
+          f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; torch {torch.__version__}; "
+          f"before: {args.before}, after: the working tree; {time.strftime('%Y-%m-%d')}")
+    products(namespaces, torch.Generator().manual_seed(0))
+
+    pair = ModelPair.load(draft=None, weights="int4")
+    step = TargetStep(pair.target, compile=False)
+    job = ModelPair(pair.target, pair.tokenizer, pair.with_drafter("default").draft, step, None)
+    widths = (1, 2, 4, 6, 17)
+    curves = {tag: [] for tag in namespaces}
+    for repeat in range(3):
+        for tag in (("before", "after") if repeat % 2 == 0 else ("after", "before")):
+            use(namespaces[tag])
+            curves[tag].append(tuning.measure_target(step, widths, compiled=False)[0])
+    print("eager step of k tokens after 128: ms, median of 3 measurements each (x k = 1)")
+    for tag, measured in curves.items():
+        ms = {w: statistics.median(times[w] for times in measured) for w in widths}
+        print(f"  {tag:6s} " + "  ".join(f"{w}:{ms[w]:.2f}(x{ms[w] / ms[1]:.2f})" for w in widths))
+
+    variants = [(kind, tag) for kind in ("ar", "default") for tag in namespaces]
+    start = step.profile.to_dict()
+    profiles = {variant: Profile.from_dict(start) for variant in variants}  # each measures its own costs
+
+    def run(variant: tuple[str, str], ids: torch.Tensor):
+        use(namespaces[variant[1]])
+        step.profile = profiles[variant]
+        return job.generate(ids, **(COMMON | ({"method": "ar"} if variant[0] == "ar" else {}))).stats
+
+    prompts = everyday(args.prompts)
+    for variant in variants:  # warm: each variant's first steps measure its profile's sizes
+        run(variant, job.encode(prompts[0][1]))
+    totals = {variant: {"tokens": 0, "seconds": 0.0, "passes": 0, "by_category": {}} for variant in variants}
+    for index, (category, prompt) in enumerate(prompts):
+        ids = job.encode(prompt)
+        for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
+            clock = time.perf_counter()
+            stats = run(variant, ids)
+            seconds = time.perf_counter() - clock
+            total = totals[variant]
+            total["tokens"] += stats.new_tokens
+            total["seconds"] += seconds
+            total["passes"] += stats.target_forwards
+            made = total["by_category"].setdefault(category, [0, 0.0])
+            made[0] += stats.new_tokens
+            made[1] += seconds
+        print(f"ab_int4_kernel: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+
+    def rate(made: list) -> float:
+        return made[0] / made[1]
+
+    print(f"eager decoding: {len(prompts)} everyday prompts x {COMMON['max_new_tokens']} tokens, greedy, interleaved")
+    for kind, tag in variants:
+        total, ar = totals[(kind, tag)], totals[("ar", tag)]
+        speed = total["tokens"] / total["seconds"]
+        categories = {c: rate(made) / rate(ar["by_category"][c]) for c, made in total["by_category"].items()}
+        print(f"  {kind:8s} {tag:6s} {speed:7.1f} tok/s  x AR of the same kernel "
+              f"{speed / (ar['tokens'] / ar['seconds']):.3f}  tok/pass {total['tokens'] / total['passes']:.2f}  "
+              f"categories x AR {min(categories.values()):.3f}-{max(categories.values()):.3f}")
+    for kind in ("ar", "default"):
+        after, before = totals[(kind, "after")], totals[(kind, "before")]
+        print(f"  {kind}: after / before "
+              f"{(after['tokens'] / after['seconds']) / (before['tokens'] / before['seconds']):.3f}x")
+
+
+if __name__ == "__main__":
+    main()
