@@ -5,8 +5,11 @@ For each product of SmolLM2-135M (q|k|v 960x576, o 576x576, gate|up 3072x576, do
 median of --repeats; and a whole model's 120 layer products plus the head per token on 30 layers of distinct
 weights (so the weights stream from memory, as in decoding). Torch's kernel takes the weights as 4-bit codes with
 bfloat16 scales and offsets and bfloat16 activations (``aten._weight_int4pack_mm_for_cpu``); the head is two
-4-bit halves there (what fuzzyspec used before its own kernel). The error columns are each kernel's relative
-error against the float32 product with the same weights.
+4-bit halves there (what fuzzyspec used before its own kernel). Where torchao is installed, its CPU int4 linears run
+the layer products beside them: weight-only int4 (``PrototypeInt4WeightOnlyConfig``, torch's kernel behind a tensor
+subclass) and, where its build has the kernel, 8-bit dynamic activations with int4 weights (da8w4, as llama.cpp and
+ours multiply); each quantizes the same weights itself. The error columns are each kernel's relative error against
+the float32 product with the same weights.
 
 Usage: python benchmarks/bench_int4_kernel.py [--threads 2] [--repeats 200]
 """
@@ -50,6 +53,27 @@ class TorchInt8:
         return self.high(x) + self.low(x)
 
 
+def torchao_linears(weight: torch.Tensor) -> dict:
+    """torchao's CPU int4 linears of ``weight`` (float32, [out, in]) by name, those this install has."""
+    try:
+        from torchao.prototype.quantization.int4.inference_workflow import (
+            Int8DynamicActivationInt4WeightConfig, PrototypeInt4WeightOnlyConfig)
+        from torchao.quantization import quantize_
+    except ImportError:
+        return {}
+    configs = {"torchao w4": (PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False), torch.bfloat16)}
+    if "CPU" in torch._C._dispatch_dump("torchao::da8w4_linear_cpu"):  # (not in the PyPI wheel as of 0.18)
+        configs["torchao da8w4"] = (Int8DynamicActivationInt4WeightConfig(group_size=32, set_inductor_config=False),
+                                    torch.bfloat16)
+    linears = {}
+    for name, (config, dtype) in configs.items():
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
+        linear.weight.data.copy_(weight)
+        quantize_(linear, config)
+        linears[name] = lambda x, linear=linear, dtype=dtype: linear(x.to(dtype)).float()
+    return linears
+
+
 def random_int4(out_features: int, in_features: int, generator: torch.Generator):
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.02).half()
@@ -90,9 +114,14 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     print(f"bench_int4_kernel: {cpu_isa()} (kernel built for {kernels.isa()}), {args.threads} threads, torch {torch.__version__}; "
           f"us a call (median of {args.repeats}), ours against torch's int4 kernel")
-    print(f"  {'product':10} {'M':>3} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'ours err':>9} {'torch err':>9}")
     layers = {name: random_int4(*shape, generator) for name, shape in SHAPES.items()}
     head = random_int8(generator)
+    others = {name: torchao_linears(ours.weight()) for name, (ours, _) in layers.items()}
+    extra = sorted({label for linears in others.values() for label in linears})
+    print("  torchao: " + (", ".join(extra) + " (layer products; us, x ours, err)" if extra else
+                           "not installed" if not _has_torchao() else "no CPU int4 linear in this build"))
+    print(f"  {'product':10} {'M':>3} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'ours err':>9} {'torch err':>9}"
+          + "".join(f"  {label:>22}" for label in extra))
     for name, (ours, theirs) in [*layers.items(), ("head Q8_0", head)]:
         weight = ours.weight() if isinstance(ours, int4.Int4Linear) else ours.weight
         for tokens in (1, 6, 17):
@@ -100,8 +129,16 @@ def main() -> None:
             repeats = args.repeats if name != "head Q8_0" else max(args.repeats // 10, 5)
             mine, torchs = timed(lambda: ours(x), repeats), timed(lambda: theirs(x), repeats)
             reference = x @ weight.T
+            columns = ""
+            for label in extra:
+                linear = others.get(name, {}).get(label)
+                if linear is None:
+                    columns += f"  {'-':>22}"
+                    continue
+                theirs_us = timed(lambda: linear(x), repeats)
+                columns += f"  {theirs_us:8.1f} {theirs_us / mine:5.2f}x {error(linear(x), reference):6.4f}"
             print(f"  {name:10} {tokens:3d} {mine:9.1f} {torchs:9.1f} {torchs / mine:7.2f}x "
-                  f"{error(ours(x), reference):9.4f} {error(theirs(x), reference):9.4f}")
+                  f"{error(ours(x), reference):9.4f} {error(theirs(x), reference):9.4f}" + columns)
     # A token's products over 30 layers of distinct weights (about 60 MB of 4-bit codes) plus the head.
     model = [[random_int4(*shape, generator) for shape in SHAPES.values()] for _ in range(30)]
     inputs = {k: torch.randn(1, k, generator=generator) for k in (576, 1536)}
@@ -112,6 +149,12 @@ def main() -> None:
                     pair[pick](inputs[pair[0].in_features])
             head[pick](inputs[576])
         print(f"  one token's 120 layer products and the head ({label}): {timed(token, 20) / 1000:.2f} ms")
+
+
+def _has_torchao() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
 
 
 if __name__ == "__main__":
