@@ -14,7 +14,8 @@ running mean, as before 2026-11-26), ``pywrapper`` (the target's and head's comp
 wrapper and size checks, as before ``step.CPU_INDUCTOR``) and ``unfused`` (eager float32 layers' norms and rotary
 embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``), ``nocopy`` (the EAGLE head
 alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``gammacopy`` (every copy as long as
---gamma allows, as before ``cost.copy_length``); ``pywrapper`` and ``unfused`` also join
+--gamma allows, as before ``cost.copy_length``), ``nopace`` (each size's cost its own running median, no machine
+pace, as before ``Profile.pace``); ``pywrapper`` and ``unfused`` also join
 ``ar`` (``ar+pywrapper``, ``ar+unfused``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
 
@@ -49,7 +50,8 @@ from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa
 from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
-SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold")}
+SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold",
+                                                  "PACE_SHARE", "PACE_CLAMP")}
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
@@ -100,6 +102,8 @@ def apply(variant: str) -> dict:
             step_module._fused = lambda x: False
         elif part == "gammacopy":  # every copy at its cap, as before cost.copy_length (2026-11-26, night)
             engine.copy_length = lambda acceptance, profile, cap, *shape: cap
+        elif part == "nopace":  # each size's cost its own running median, no pace, as before 2026-11-26 (late)
+            cost.PACE_SHARE, cost.PACE_CLAMP = 0.0, cost.STRIDE
         elif part == "chains":
             options["tree"] = False
         elif part == "meanfold":

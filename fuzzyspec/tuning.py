@@ -199,22 +199,23 @@ def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how
     from .core.engine import decode
 
     kept, pair.step.profile = pair.step.profile, Profile()
+    measuring = pair.step.profile
     try:
         ids = pair.encode(prompt)
         ar = pair.config(method="ar", max_new_tokens=2 * repeats, eos_token_ids=())
         decode(pair.step, None, ids, ar, pair.vocab_size)  # what a step that drafts nothing spends
         result = {}
+        key = draft_key(pair.draft.name, breadth)
         for size in sizes:
             shape = {"tree": True, "tree_top_k": breadth, "tree_depth": size} if breadth > 1 else \
                 {"tree": False, "gamma": size}
             config = pair.config(method="sd", gamma_schedule="constant", max_new_tokens=repeats * (size + 1) + 1,
                                  eos_token_ids=(), **shape)
             decode(pair.step, pair.drafter(config), ids, config, pair.vocab_size)
-            measured = pair.step.profile.draft.get(draft_key(pair.draft.name, breadth), {})
-            if size in measured:  # (not where every step compiled)
-                result[size] = measured[size]
-        for rows, ms in pair.step.profile.outside.items():
-            kept.outside.setdefault(rows, ms)
+            if size in measuring.draft.get(key, {}):  # (not where every step compiled)
+                result[size] = measuring.draft_ms(key, size)
+        for rows in measuring.outside:  # (held in each profile's own pace: see ``Profile``)
+            kept.outside.setdefault(rows, measuring.outside_ms(rows) / kept.pace)
         return result
     finally:
         pair.step.profile = kept

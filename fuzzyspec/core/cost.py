@@ -57,6 +57,11 @@ MEMORY = 0.99           # a row's counts fade by this per step, so a long answer
 POPULATION_MEMORY = 0.999  # a drafter's acceptance over all rows (a new row's prior) fades this much a step
 TRIALS = 3              # measurements of a new size before the planner trusts its cost
 STRIDE = 0.02           # how far one measurement moves a cost's running median, as a share of it
+# How a settled target pass of t ms moves the machine's pace P and its size's cost c (``Profile``): by
+# r = log(t / (P c)), clamped to +-PACE_CLAMP, P by the share PACE_SHARE of it and c by the rest (so c by
+# STRIDE at most, as the other costs' running medians move)
+PACE_SHARE = 0.9
+PACE_CLAMP = STRIDE / (1 - PACE_SHARE)
 TARGET = ""             # the target's key among the drafters' (whose keys name a drafter and shape)
 OUTSIDE = "+"           # the key of what steps spend outside the forward
 COPY = "copy"           # the drafter name copies' acceptance is kept under (``copy_length``)
@@ -76,7 +81,18 @@ class Profile:
     only adds time. One slow first measurement had priced a size out for good: the planner re-measures only
     what it runs. So a price errs low on purpose: a size priced low is run, and measured again; one priced high is
     never run again. (Their median, tried on 2026-11-26, ran alike in an A/B, 1.134x against 1.135x AR, and was
-    not kept for that asymmetry.) Sizes given at construction or loaded are taken as measured."""
+    not kept for that asymmetry.) Sizes given at construction or loaded are taken as measured.
+
+    A shared machine's speed drifts: within one run a 1-token step's median went from 5.9 to 9.3 ms and back over a
+    few hundred steps. Each size's cost moves only when that size runs, so sizes measured in a slow stretch looked
+    dear beside sizes last measured in a fast one: a profile held 11.6 ms for a 1-token pass and 11.6 for a 2-token
+    one, whose steps cost 7.4 and more, so the planner drafted wherever it could, and lost where drafts fail. So
+    costs are kept in the units of the machine's ``pace``: a target pass of a settled size moves the pace most of
+    the way its time says and the size's cost the rest (``PACE_SHARE``); drafting and outside costs are filed
+    over the pace. A drift moves the pace, and with it every cost alike; what sets one size apart from another
+    stays in the sizes. Costs are read (and saved) as the pace times them: milliseconds now. In a simulation of
+    such drift and spikes (three widths run in phases of 30-200 passes), the estimated ratio of two widths' costs
+    erred by 7-10% on average, against 18-22% with each size's own running median."""
 
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -85,6 +101,7 @@ class Profile:
     populations: dict[str, "Acceptance"] = field(default_factory=dict)  # see ``population``
     updates: int = 0  # measurements folded in since the profile was loaded
     trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
+    pace: float = 1.0  # how slow the machine runs now, against the costs held (see above)
 
     def target_ms(self, width: int, rows: int = 1) -> float:
         """A forward of ``rows`` rows of ``width`` tokens. A row count not yet measured is guessed at what one row
@@ -95,7 +112,7 @@ class Profile:
         measured = self._settled(_batch_key(rows), self.batches.get(rows, {})) if rows > 1 else {}
         if not measured:
             measured, width = self._settled(TARGET, self.target), width * rows
-        return min([_lookup(measured, width)] + [ms for wider, ms in measured.items() if wider > width])
+        return self.pace * min([_lookup(measured, width)] + [ms for wider, ms in measured.items() if wider > width])
 
     def draft_ms(self, key: str, size: int) -> float:
         return _lookup(self.draft_costs(key), size) if size else 0.0
@@ -104,7 +121,7 @@ class Profile:
         """The settled sizes of ``key``'s drafting and their costs, for ``_lookup``. Drafting nothing costs nothing:
         a size below every measured one is interpolated from zero, not taken at the smallest measured size's cost
         (once the cap was measured dear, every smaller size looked as dear and was never tried)."""
-        return {0: 0.0} | self._settled(key, self.draft.get(key, {}))
+        return {0: 0.0} | {size: self.pace * ms for size, ms in self._settled(key, self.draft.get(key, {})).items()}
 
     def population(self, key: str) -> "Acceptance":
         """The acceptance of every row drafted for under ``key`` (a drafter and the rule judging it, see
@@ -117,22 +134,32 @@ class Profile:
 
     def outside_ms(self, rows: int = 1) -> float:
         """S(rows): what a step of ``rows`` rows that drafts nothing spends outside its forward."""
-        return _lookup(self._settled(OUTSIDE, self.outside), rows)
+        return self.pace * _lookup(self._settled(OUTSIDE, self.outside), rows)
 
     def observe_outside(self, rows: int, ms: float) -> None:
         self._observe(OUTSIDE, self.outside, rows, ms)
 
     def observe_target(self, width: int, ms: float, rows: int = 1) -> None:
-        if rows == 1:
-            self._observe(TARGET, self.target, width, ms)
-        else:
-            self._observe(_batch_key(rows), self.batches.setdefault(rows, {}), width, ms)
+        key, measured = (TARGET, self.target) if rows == 1 else (_batch_key(rows), self.batches.setdefault(rows, {}))
+        cost = measured.get(width)
+        if not cost or (key, width) in self.trials or ms <= 0:
+            self._observe(key, measured, width, ms)
+            return
+        # Both move by fixed shares of one clamped log-ratio, so a size run alone keeps its cost and the pace in a
+        # fixed proportion (c ~ P^(1/9)): as the pace returns, so does c. Updated one after the other, or by
+        # clamps in milliseconds, the two split each pass's news unevenly, and 5,000 passes of one size with
+        # spikes moved its cost 2.9x against the others', the pace the other way.
+        self.updates += 1
+        r = max(-PACE_CLAMP, min(PACE_CLAMP, math.log(ms / (self.pace * cost))))
+        self.pace *= math.exp(PACE_SHARE * r)
+        measured[width] = cost * math.exp((1 - PACE_SHARE) * r)
 
     def observe_draft(self, key: str, size: int, ms: float) -> None:
         self._observe(key, self.draft.setdefault(key, {}), size, ms)
 
     def _observe(self, key: str, measured: dict[int, float], size: int, ms: float) -> None:
         self.updates += 1
+        ms /= self.pace
         count = self.trials.get((key, size), 0 if size not in measured else None)
         if count is None:
             _fold(measured, size, ms)
@@ -149,7 +176,7 @@ class Profile:
     def to_dict(self) -> dict:
         """The settled measurements (a tentative size is measured anew next time)."""
         def settled(key: str, sizes: dict[int, float]) -> dict[str, float]:
-            return {str(k): v for k, v in sorted(self._settled(key, sizes).items())}
+            return {str(k): self.pace * v for k, v in sorted(self._settled(key, sizes).items())}
 
         return {"target": settled(TARGET, self.target),
                 "draft": {key: settled(key, sizes) for key, sizes in self.draft.items()},
