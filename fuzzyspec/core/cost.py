@@ -91,8 +91,9 @@ class Profile:
     the way its time says and the size's cost the rest (``PACE_SHARE``); drafting and outside costs are filed
     over the pace. A drift moves the pace, and with it every cost alike; what sets one size apart from another
     stays in the sizes. Costs are read (and saved) as the pace times them: milliseconds now. In a simulation of
-    such drift and spikes (three widths run in phases of 30-200 passes), the estimated ratio of two widths' costs
-    erred by 7-10% on average, against 18-22% with each size's own running median."""
+    such drift and spikes (``benchmarks/sim_profile_drift.py``: three widths run in phases of 30-200 passes), the
+    estimated ratio of two widths' costs erred by 4-10% on average, against 16-18% with each size's own running
+    median."""
 
     target: dict[int, float] = field(default_factory=dict)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)

@@ -99,7 +99,7 @@ struct Eight {  // Q8_0
 
 // acc + the products of u's unsigned bytes by the four signed bytes at a, broadcast to every lane, as one
 // instruction that reads them from memory ({1to16}). GCC broadcasts them into a register first, an instruction
-// more per multiply-add: at 2-17 tokens the 4-bit products ran 5-20% faster this way (the same integers).
+// more per multiply-add: at 2-17 tokens the 4-bit products ran 5-9% faster this way (the same integers).
 inline __m512i dpbusd_broadcast(__m512i acc, __m512i u, const int8_t* a) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const bytes4*>(a)));
   return acc;
