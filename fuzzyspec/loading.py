@@ -203,10 +203,22 @@ def _has_int4_linears(name: str | None) -> bool:
     in other formats (Q4_K, Q8_0, F16, ...) or of another architecture is loaded as floats under ``auto``."""
     if name is None or name == EMBEDDED:
         return True
+    path = gguf_source(name)
+    try:
+        found = os.stat(path)
+    except (OSError, TypeError):
+        return True  # not readable here: loading it says what is wrong
+    return _gguf_has_int4_linears(str(path), found.st_size, found.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_has_int4_linears(path: str, size: int, mtime_ns: int) -> bool:
+    """``_has_int4_linears`` of one version of a file (its size and time of change say which), read once: the CLI,
+    ``load_model`` and ``weight_form`` each ask, and a header with a large vocabulary takes about 40 ms to read."""
     from . import gguf
 
     try:
-        found = gguf.GGUFFile(gguf_source(name))
+        found = gguf.GGUFFile(Path(path))
         return found.metadata.get("general.architecture") == "llama" and gguf.int4_linears(found) > 0
     except (OSError, TypeError, ValueError, struct.error, EOFError, KeyError, IndexError):
         return True  # not readable here: loading it says what is wrong

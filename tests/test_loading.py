@@ -75,6 +75,25 @@ def test_the_weights_form_is_decided_before_loading(tmp_path):
     assert weight_form(str(unreadable)) == ("int4" if kernels.available() else "auto")
 
 
+def test_a_gguf_header_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """The CLI, load_model and weight_form each ask whether a GGUF holds 4-bit linears: the header is read once,
+    and again only once the file changed."""
+    import os
+
+    from fuzzyspec import gguf, loading
+
+    reads = []
+    monkeypatch.setattr(gguf, "GGUFFile", lambda path: reads.append(path) or (_ for _ in ()).throw(ValueError()))
+    target = tmp_path / "model.gguf"
+    target.write_bytes(b"GGUF\x03")
+    for _ in range(3):
+        assert loading.int4_likely(str(target), "auto", "cpu", "auto")
+    assert len(reads) == 1
+    target.write_bytes(b"GGUF\x03\x00")
+    os.utime(target, ns=(1, 1))
+    assert loading.int4_likely(str(target), "auto", "cpu", "auto") and len(reads) == 2
+
+
 def test_where_the_kernels_cannot_run_auto_holds_floats_and_int4_says_why(monkeypatch):
     from fuzzyspec.core import kernels
     from fuzzyspec.loading import weight_form
