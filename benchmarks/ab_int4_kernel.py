@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import everyday  # noqa: E402 (this folder's module)
+from bench_int4_kernel import SHAPES, random_int4, random_int8  # noqa: E402 (this folder's modules)
+from bench_step import everyday  # noqa: E402
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
-from fuzzyspec.core import int4, kernels  # noqa: E402
+from fuzzyspec.core import kernels  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.files import cache_dir  # noqa: E402
@@ -34,7 +35,6 @@ from fuzzyspec.loading import cpu_isa  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "fuzzyspec/core/int4_kernel.cpp"
-SHAPES = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536), "head Q8_0": (49152, 576)}
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -61,16 +61,9 @@ def use(namespace) -> None:
 
 def products(kernels_by_tag: dict, generator: torch.Generator) -> None:
     print("products: us a call, median, the two interleaved")
-    for name, (n, k) in SHAPES.items():
-        if name.startswith("head"):
-            layer = int4.Int8Linear.from_codes(torch.randint(-127, 128, (n, k), generator=generator),
-                                               (torch.rand(n, k // 32, generator=generator) * 0.01).half())
-            op = "mm_q8"
-        else:
-            layer = int4.Int4Linear.from_codes(torch.randint(0, 16, (n, k), generator=generator),
-                                               (torch.rand(n, k // 32, generator=generator) * 0.02).half(),
-                                               (-torch.rand(n, k // 32, generator=generator) * 0.1).half())
-            op = "mm_q4"
+    layers = {name: (random_int4(*shape, generator)[0], "mm_q4") for name, shape in SHAPES.items()}
+    for name, (layer, op) in [*layers.items(), ("head Q8_0", (random_int8(generator)[0], "mm_q8"))]:
+        k = layer.in_features
         calls = {tag: getattr(namespace, op) for tag, namespace in kernels_by_tag.items()}
         for tokens in (1, 2, 4, 6, 17):
             x = torch.randn(tokens, k, generator=generator)
