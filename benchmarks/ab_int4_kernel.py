@@ -1,6 +1,6 @@
 """Our 4-bit kernel against the kernel of another commit, A/B in one process: each product of the embedded target's
-shapes at 1-17 tokens, the target's eager step at a few widths, and eager decoding (AR and the default job) of
-everyday prompts, every configuration interleaved.
+shapes at 1-17 tokens, a whole model's products streaming from memory, the target's eager step at a few widths,
+and eager decoding (AR and the default job) of everyday prompts, every configuration interleaved.
 
 Both kernel sources (``fuzzyspec/core/int4_kernel.cpp`` of the working tree and of ``--before``) are built for this
 machine's instruction set (or FUZZYSPEC_INT4_ISA's) under op namespaces of their own, and the model's 4-bit layers
@@ -81,6 +81,31 @@ def products(kernels_by_tag: dict, generator: torch.Generator) -> None:
                   flush=True)
 
 
+def streaming(kernels_by_tag: dict, generator: torch.Generator) -> None:
+    """A whole model's products per pass of M tokens, on 30 layers of distinct weights and the head: as in
+    decoding, the weights stream from memory (one layer's fit in the caches, and the products above reread them
+    there)."""
+    print("a whole model's products (30 layers' and the head's, distinct weights): ms a pass, median, interleaved")
+    model = [[random_int4(*shape, generator)[0] for shape in SHAPES.values()] for _ in range(30)]
+    head = random_int8(generator)[0]
+    for tokens in (1, 2, 3, 4, 6, 8, 17):
+        x = {k: torch.randn(tokens, k, generator=generator) for k in (576, 1536)}
+
+        def one_pass(namespace) -> None:
+            for layers in model:
+                for layer in layers:
+                    namespace.mm_q4(x[layer.in_features], layer.packed)
+            namespace.mm_q8(x[576], head.packed)
+        times = {tag: [] for tag in kernels_by_tag}
+        for repeat in range(40):
+            for tag in (("before", "after") if repeat % 2 else ("after", "before")):
+                start = time.perf_counter()
+                one_pass(kernels_by_tag[tag])
+                times[tag].append(time.perf_counter() - start)
+        old, new = (statistics.median(times[tag]) * 1e3 for tag in ("before", "after"))
+        print(f"  {tokens:3d} tokens  before {old:6.2f}  after {new:6.2f}  before/after {old / new:.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="62c50b8", help="the commit whose kernel is the baseline")
@@ -97,6 +122,7 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; torch {torch.__version__}; "
           f"before: {args.before}, after: the working tree; {time.strftime('%Y-%m-%d')}")
     products(namespaces, torch.Generator().manual_seed(0))
+    streaming(namespaces, torch.Generator().manual_seed(1))
 
     pair = ModelPair.load(draft=None, weights="int4")
     step = TargetStep(pair.target, compile=False)
