@@ -723,7 +723,7 @@ def _tune(args: argparse.Namespace) -> None:
     """Measure the profile (eager, and compiled unless --no-compile), keep it, and print it with its choices."""
     from . import tuning
     from .api import ModelPair
-    from .core.cost import Option, draft_key
+    from .core.cost import TARGET, Option, draft_key
     from .core.step import TargetStep
 
     device = _device(args)
@@ -739,8 +739,8 @@ def _tune(args: argparse.Namespace) -> None:
         pair = ModelPair(loaded.target, loaded.tokenizer, loaded.draft, step, key)
         widths = tuple(args.widths or ((1, 2, 4, 6, 8, 17) if compiled else tuning.WIDTHS))
         times, compile_s = tuning.measure_target(step, widths, compiled=compiled, progress=tuning.progress_line)
-        step.profile.target.update(times)
-        options = {}
+        step.profile.set_measured(TARGET, times)
+        options, drafting = {}, {}
         if pair.draft is not None:
             options["chains"] = Option(pair.draft.name, drafter.gamma)
             if pair.draft.drafts_trees:
@@ -749,11 +749,12 @@ def _tune(args: argparse.Namespace) -> None:
         for breadth in sorted({k for option in options.values() for k in option.breadths()}):
             tuning.progress_line(f"{pair.draft.name} drafting {'chains' if breadth == 1 else f'{breadth}-wide trees'}")
             cap = max(option.cap for option in options.values() if breadth in option.breadths())
-            step.profile.draft[draft_key(pair.draft.name, breadth)] = tuning.measure_drafter(pair, breadth,
-                                                                                             range(1, cap + 1))
+            drafted = draft_key(pair.draft.name, breadth)
+            drafting[drafted] = tuning.measure_drafter(pair, breadth, range(1, cap + 1))
+            step.profile.set_measured(drafted, drafting[drafted])
         tuning.save(key, step.profile)
         report["profiles"]["compiled" if compiled else "eager"] = {
-            "key": key, "target_ms": times, "compile_s": compile_s, "draft_ms": step.profile.draft,
+            "key": key, "target_ms": times, "compile_s": compile_s, "draft_ms": drafting,
             "choices": tuning.choices(step.profile, options)}
     from .loading import auto_may_hold_int4
 

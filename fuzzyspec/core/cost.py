@@ -155,6 +155,16 @@ class Profile:
         self.pace *= math.exp(PACE_SHARE * r)
         measured[width] = cost * math.exp((1 - PACE_SHARE) * r)
 
+    def set_measured(self, key: str, sizes: dict[int, float]) -> None:
+        """Take ``sizes`` (size -> milliseconds, measured just now, as ``fuzzyspec tune`` does) as the settled costs
+        of the target's one-row passes (``key`` ``TARGET``), of steps' time outside the forward (``OUTSIDE``) or
+        of a drafter's key, in place of what was held. Filed over the pace, as every cost is, so each reads back
+        as given whatever the pace is now."""
+        table = self.target if key == TARGET else self.outside if key == OUTSIDE else self.draft.setdefault(key, {})
+        for size, ms in sizes.items():
+            table[size] = ms / self.pace
+            self.trials.pop((key, size), None)
+
     def observe_draft(self, key: str, size: int, ms: float) -> None:
         self._observe(key, self.draft.setdefault(key, {}), size, ms)
 

@@ -215,6 +215,22 @@ def test_a_size_run_alone_keeps_its_cost_against_the_others():
     assert math.isclose(profile.target_ms(2) / profile.target_ms(1), 1.2, rel_tol=0.02)
 
 
+def test_costs_set_as_measured_read_back_as_given_whatever_the_pace():
+    """``fuzzyspec tune`` files what it just measured. Written straight into the tables (kept over the pace), a
+    profile whose pace had moved would read them back scaled by it."""
+    profile = Profile(target={1: 10.0, 2: 12.0}, draft={"d:chain": {1: 1.0}}, outside={1: 0.5})
+    for _ in range(300):
+        profile.observe_target(1, 20.0)
+    assert profile.pace > 1.5
+    profile.set_measured("", {1: 6.0, 4: 9.0})
+    profile.set_measured("d:chain", {1: 1.5, 2: 2.5})
+    profile.set_measured("+", {1: 0.75})
+    assert math.isclose(profile.target_ms(1), 6.0) and math.isclose(profile.target_ms(4), 9.0)
+    assert math.isclose(profile.draft_ms("d:chain", 2), 2.5) and math.isclose(profile.outside_ms(1), 0.75)
+    saved = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert math.isclose(saved.target_ms(4), 9.0) and math.isclose(saved.draft_ms("d:chain", 1), 1.5)
+
+
 def test_no_width_is_priced_above_a_wider_one():
     """Noise made a 2-token pass look dearer than a 4-token one; the planner then never ran 1-token chains again,
     so their cost was never measured again. A narrower pass does no more work: it costs at most the wider's."""
