@@ -38,15 +38,18 @@ SOURCE = "fuzzyspec/core/int4_kernel.cpp"
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
-def build(tag: str, source: str):
-    """The kernel ``source`` built under the op namespace ``ab_<tag>_<isa>``; that namespace."""
+def build(tag: str, source: str, namespaces: tuple[str, ...] = ("fuzzyspec_int4",)):
+    """The kernel ``source`` built with its op ``namespaces`` renamed (the first to ``ab_<tag>_<isa>``, any
+    further with their index appended), so it loads beside the working tree's; the first namespace."""
     from torch.utils import cpp_extension
 
     name = f"ab_{tag}_{kernels.isa().replace('-', '_')}"
     folder = cache_dir() / "ab_kernels" / name
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.cpp"
-    text = source.replace("fuzzyspec_int4", name)
+    text = source
+    for index, namespace in enumerate(namespaces):
+        text = text.replace(namespace, name + (f"_{index}" if index else ""))
     if not path.is_file() or path.read_text() != text:
         path.write_text(text)
     cpp_extension.load(name, [str(path)], build_directory=str(folder), is_python_module=False,

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #include <initializer_list>
 
@@ -61,6 +62,13 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
 // Lane j: the sum of the 8 lanes of a[j], by the same tree of additions for every j.
@@ -110,11 +118,19 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
       const int64_t head = (b * KVH + g) * C * D;
       const bool* allows = mp + bw * C;
       int64_t n = 0;
-      for (int64_t c = 0; c < C; ++c)
-        if (allows[c]) {
-          rows[n] = vp + head + c * D;
-          seen[n++] = kp + head + c * D;
+      for (int64_t c = 0; c < C;) {
+        uint64_t eight = 0;  // (a row's cache is mostly a run of allowed positions, then a run of unwritten ones)
+        if (c + 8 <= C) std::memcpy(&eight, allows + c, 8);
+        if (c + 8 <= C && eight == 0) {
+          c += 8;
+          continue;
         }
+        for (const int64_t stop = c + 8 <= C ? c + 8 : c + 1; c < stop; ++c)
+          if (allows[c]) {
+            rows[n] = vp + head + c * D;
+            seen[n++] = kp + head + c * D;
+          }
+      }
       for (int64_t i = n; i < n + 8; ++i) seen[i] = zeros.data();  // a last group of 8 keys is filled with zeros
       for (int64_t h = g * G; h < (g + 1) * G; ++h) {
         const float* qv = qp + (bw * H + h) * D;
@@ -126,14 +142,23 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
             const __m256 qd = _mm256_loadu_ps(qv + d);
             for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(seen[i + j] + d), acc[j]);
           }
-          _mm256_storeu_ps(&weight[i], sums8(acc));
-          for (int j = 0; j < 8; ++j) {
-            for (int64_t d = D8; d < D; ++d) weight[i + j] += qv[d] * seen[i + j][d];
-            weight[i + j] *= s;
+          if (D8 == D) {  // (the same product as the lanes' one by one below)
+            _mm256_storeu_ps(&weight[i], _mm256_mul_ps(sums8(acc), _mm256_set1_ps(s)));
+          } else {
+            _mm256_storeu_ps(&weight[i], sums8(acc));
+            for (int j = 0; j < 8; ++j) {
+              for (int64_t d = D8; d < D; ++d) weight[i + j] += qv[d] * seen[i + j][d];
+              weight[i + j] *= s;
+            }
           }
         }
-        float top = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) top = weight[i] > top ? weight[i] : top;
+        // The largest score, 8 lanes at a time (a maximum is exact in any order); the last group's lanes past n
+        // are left out.
+        __m256 most = _mm256_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(&weight[i]));
+        float top = hmax(most);
+        for (; i < n; ++i) top = weight[i] > top ? weight[i] : top;
         const __m256 shift = _mm256_set1_ps(top);  // (the last 8 lanes may run past n: never summed)
         for (int64_t i = 0; i < n; i += 8)
           _mm256_storeu_ps(&weight[i], exp8(_mm256_sub_ps(_mm256_loadu_ps(&weight[i]), shift)));
