@@ -121,13 +121,20 @@ def make_steps(pairs: dict[str, ModelPair], modes: list[str]) -> dict[tuple[str,
     return steps
 
 
-def curve(steps: dict[tuple[str, str], TargetStep], widths: tuple[int, ...]) -> dict:
-    """The verification cost curve per form and mode."""
+def curve(steps: dict[tuple[str, str], TargetStep], widths: tuple[int, ...], rounds: int = 5) -> dict:
+    """The verification cost curve per form and mode: ``rounds`` rounds over every width (so a drift of the machine
+    reaches all widths alike), each width's median of the rounds' medians."""
     result = {}
     for (form, mode), step in steps.items():
         compiled = mode == "compiled"
         used = tuple(sorted({step.shape(w, 1)[0] for w in widths})) if compiled else widths
-        times, first = tuning.measure_target(step, used, compiled=compiled, progress=tuning.progress_line)
+        measured, first = [], {}
+        for round_ in range(rounds):
+            times, compile_s = tuning.measure_target(step, used, compiled=compiled,
+                                                     progress=tuning.progress_line if round_ == 0 else None)
+            measured.append(times)
+            first = first or compile_s
+        times = {w: statistics.median(m[w] for m in measured) for w in used}
         result[f"{form} {mode}"] = {"ms": times, "first_s": first}
     return result
 
