@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,13 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_int4_kernel import build  # noqa: E402 (this folder's module)
+from ab_int4_kernel import before_and_after  # noqa: E402 (this folder's module)
 
 from fuzzyspec.core import kernels  # noqa: E402
 from fuzzyspec.core.kvcache import attention_mask, chain_tree  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "fuzzyspec/core/layer_kernel.cpp"
 # (rows, queries, heads, kv heads, dimensions, cache positions)
 SHAPES = [(1, 1, 9, 3, 64, 256), (1, 6, 9, 3, 64, 256), (2, 5, 8, 2, 128, 64), (1, 3, 7, 1, 36, 40),
@@ -50,11 +48,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit(f"ab_attention: {kernels.unavailable()}")
-    old = subprocess.run(["git", "show", f"{args.before}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
-    namespaces = ("fuzzyspec_attention", "fuzzyspec_layer")
-    ops = {"before": build("attention_before", old, namespaces),
-           "after": build("attention_after", (ROOT / SOURCE).read_text(), namespaces)}
+    ops = before_and_after(SOURCE, args.before, ("fuzzyspec_attention", "fuzzyspec_layer"), prefix="attention_")
     print(f"ab_attention: CPU {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; before: {args.before}, "
           f"after: the working tree; {time.strftime('%Y-%m-%d')}")
     generator = torch.Generator().manual_seed(0)

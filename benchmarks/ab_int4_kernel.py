@@ -57,6 +57,16 @@ def build(tag: str, source: str, namespaces: tuple[str, ...] = ("fuzzyspec_int4"
     return getattr(torch.ops, name)
 
 
+def before_and_after(source: str, before: str, namespaces: tuple[str, ...] = ("fuzzyspec_int4",),
+                     prefix: str = "") -> dict:
+    """The kernel file ``source`` (a path in the repository) of commit ``before`` and of the working tree, each built
+    under op namespaces of its own (``build``): {"before": its first namespace, "after": the same}."""
+    old = subprocess.run(["git", "show", f"{before}:{source}"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    return {"before": build(prefix + "before", old, namespaces),
+            "after": build(prefix + "after", (ROOT / source).read_text(), namespaces)}
+
+
 def use(namespace) -> None:
     """Point every 4-bit layer's op lookup (``torch.ops.fuzzyspec_int4``) at ``namespace``."""
     torch.ops.fuzzyspec_int4 = namespace
@@ -118,9 +128,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit(f"ab_int4_kernel: {kernels.unavailable()}")
-    old = subprocess.run(["git", "show", f"{args.before}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
-    namespaces = {"before": build("before", old), "after": build("after", (ROOT / SOURCE).read_text())}
+    namespaces = before_and_after(SOURCE, args.before)
     print(f"ab_int4_kernel: CPU {cpu_isa()}; kernels built for {kernels.isa()}; torch's code for "
           f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; torch {torch.__version__}; "
           f"before: {args.before}, after: the working tree; {time.strftime('%Y-%m-%d')}")
