@@ -27,6 +27,21 @@ def test_it_is_attention_with_grouped_heads_and_any_mask(dim):
     torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [12, 64])
+def test_it_is_attention_over_a_cache_with_long_unwritten_runs(dim):
+    """A cache's mask, not a random one: runs of allowed positions and runs of unwritten ones (which the kernel
+    passes over 8 at a time), a capacity that is no multiple of 8."""
+    query, keys, values, _ = random_pass(2, 3, 6, 2, dim, 45, seed=dim)
+    mask = torch.zeros(2, 1, 3, 45, dtype=torch.bool)
+    mask[0, 0, :, :17] = True
+    mask[0, 0, :, 30:33] = True  # drafts written after a gap
+    mask[1, 0, :, :9] = True
+    mask[1, 0, 2, 40:45] = True  # the last positions, up to the capacity
+    expected = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=mask, scale=0.3,
+                                              enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_querys_result_depends_only_on_the_keys_it_sees_in_order():
     """Alone over positions 0 .. n-1, or in a wider pass of several rows with the same keys and values scattered
     (in the same order) among positions it may not see: bit for bit the same. This is what makes a tree node's

@@ -7,8 +7,8 @@ import torch
 
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.cost import (MEMORY, POPULATION_MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TRIALS, Acceptance, Option,
-                                  Profile, copy_length, plan, population_key)
+from fuzzyspec.core.cost import (MEMORY, OUTSIDE, POPULATION_MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TARGET, TRIALS,
+                                  Acceptance, Option, Profile, copy_length, plan, population_key)
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
@@ -222,9 +222,9 @@ def test_costs_set_as_measured_read_back_as_given_whatever_the_pace():
     for _ in range(300):
         profile.observe_target(1, 20.0)
     assert profile.pace > 1.5
-    profile.set_measured("", {1: 6.0, 4: 9.0})
+    profile.set_measured(TARGET, {1: 6.0, 4: 9.0})
     profile.set_measured("d:chain", {1: 1.5, 2: 2.5})
-    profile.set_measured("+", {1: 0.75})
+    profile.set_measured(OUTSIDE, {1: 0.75})
     assert math.isclose(profile.target_ms(1), 6.0) and math.isclose(profile.target_ms(4), 9.0)
     assert math.isclose(profile.draft_ms("d:chain", 2), 2.5) and math.isclose(profile.outside_ms(1), 0.75)
     saved = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
