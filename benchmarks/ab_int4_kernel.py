@@ -72,6 +72,17 @@ def use(namespace) -> None:
     torch.ops.fuzzyspec_int4 = namespace
 
 
+def interleaved(run, tags: tuple[str, ...], repeats: int) -> dict[str, float]:
+    """Median seconds of ``run(tag)`` per tag, the tags taking turns (in alternating order) ``repeats`` times."""
+    times = {tag: [] for tag in tags}
+    for repeat in range(repeats):
+        for tag in (tags if repeat % 2 else tags[::-1]):
+            start = time.perf_counter()
+            run(tag)
+            times[tag].append(time.perf_counter() - start)
+    return {tag: statistics.median(spent) for tag, spent in times.items()}
+
+
 def products(kernels_by_tag: dict, generator: torch.Generator) -> None:
     print("products: us a call, median, the two interleaved")
     layers = {name: (random_int4(*shape, generator)[0], "mm_q4") for name, shape in SHAPES.items()}
@@ -83,13 +94,9 @@ def products(kernels_by_tag: dict, generator: torch.Generator) -> None:
             before, after = (calls[tag](x, layer.packed) for tag in ("before", "after"))
             if not torch.equal(before, after):
                 raise SystemExit(f"ab_int4_kernel: the kernels' {name} products differ at {tokens} tokens")
-            times = {tag: [] for tag in calls}
-            for repeat in range(400 if op == "mm_q4" else 40):
-                for tag in (("before", "after") if repeat % 2 else ("after", "before")):
-                    start = time.perf_counter()
-                    calls[tag](x, layer.packed)
-                    times[tag].append(time.perf_counter() - start)
-            old, new = (statistics.median(times[tag]) * 1e6 for tag in ("before", "after"))
+            medians = interleaved(lambda tag: calls[tag](x, layer.packed), ("before", "after"),
+                                  400 if op == "mm_q4" else 40)
+            old, new = medians["before"] * 1e6, medians["after"] * 1e6
             print(f"  {name:10s} {tokens:3d} tokens  before {old:8.1f}  after {new:8.1f}  before/after {old / new:.2f}x",
                   flush=True)
 
@@ -109,13 +116,8 @@ def streaming(kernels_by_tag: dict, generator: torch.Generator) -> None:
                 for layer in layers:
                     namespace.mm_q4(x[layer.in_features], layer.packed)
             namespace.mm_q8(x[576], head.packed)
-        times = {tag: [] for tag in kernels_by_tag}
-        for repeat in range(40):
-            for tag in (("before", "after") if repeat % 2 else ("after", "before")):
-                start = time.perf_counter()
-                one_pass(kernels_by_tag[tag])
-                times[tag].append(time.perf_counter() - start)
-        old, new = (statistics.median(times[tag]) * 1e3 for tag in ("before", "after"))
+        medians = interleaved(lambda tag: one_pass(kernels_by_tag[tag]), ("before", "after"), 40)
+        old, new = medians["before"] * 1e3, medians["after"] * 1e3
         print(f"  {tokens:3d} tokens  before {old:6.2f}  after {new:6.2f}  before/after {old / new:.2f}x", flush=True)
 
 

@@ -128,12 +128,13 @@ def curve(steps: dict[tuple[str, str], TargetStep], widths: tuple[int, ...], rou
     for (form, mode), step in steps.items():
         compiled = mode == "compiled"
         used = tuple(sorted({step.shape(w, 1)[0] for w in widths})) if compiled else widths
-        measured, first = [], {}
+        measured = []
         for round_ in range(rounds):
             times, compile_s = tuning.measure_target(step, used, compiled=compiled,
                                                      progress=tuning.progress_line if round_ == 0 else None)
             measured.append(times)
-            first = first or compile_s
+            if round_ == 0:
+                first = compile_s  # (the compilations; later rounds' first calls are steps like any)
         times = {w: statistics.median(m[w] for m in measured) for w in used}
         result[f"{form} {mode}"] = {"ms": times, "first_s": first}
     return result

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .core import kernels
-from .core.cost import Acceptance, Option, Profile, draft_key, plan, widened
+from .core.cost import OUTSIDE, Acceptance, Option, Profile, draft_key, plan, widened
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
 from .files import write_whole
@@ -214,8 +214,8 @@ def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how
             decode(pair.step, pair.drafter(config), ids, config, pair.vocab_size)
             if size in measuring.draft.get(key, {}):  # (not where every step compiled)
                 result[size] = measuring.draft_ms(key, size)
-        for rows in measuring.outside:  # (held in each profile's own pace: see ``Profile``)
-            kept.outside.setdefault(rows, measuring.outside_ms(rows) / kept.pace)
+        kept.set_measured(OUTSIDE, {rows: measuring.outside_ms(rows) for rows in measuring.outside
+                                    if rows not in kept.outside})
         return result
     finally:
         pair.step.profile = kept

@@ -95,6 +95,8 @@ struct Eight {  // Q8_0
   static constexpr int64_t bytes = 8 * 64 + 16 * 2 + 16 * 4;
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+
 // A model's weights are larger than the caches, so each product streams them from memory. With AVX-512, from 4
 // tokens a tile on, the multiply-adds between two blocks' reads take long enough that the hardware's own
 // prefetching falls behind: such tiles ask for the bytes PREFETCH ahead of the block they read. On the 2-core AMD
@@ -108,8 +110,6 @@ inline void prefetch(const uint8_t* block) {
   for (int64_t line = 0; line < Format::bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH + line), _MM_HINT_T0);
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 
 // acc + the products of u's unsigned bytes by the four signed bytes at a, broadcast to every lane, as one
 // instruction that reads them from memory ({1to16}). GCC broadcasts them into a register first, an instruction
