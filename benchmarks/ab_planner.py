@@ -15,8 +15,9 @@ wrapper and size checks, as before ``step.CPU_INDUCTOR``) and ``unfused`` (eager
 embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``), ``nocopy`` (the EAGLE head
 alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``gammacopy`` (every copy as long as
 --gamma allows, as before ``cost.copy_length``), ``nopace`` (each size's cost its own running median, no machine
-pace, as before ``Profile.pace``); ``pywrapper`` and ``unfused`` also join
-``ar`` (``ar+pywrapper``, ``ar+unfused``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
+pace, as before ``Profile.pace``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
+target's float16 cache, 2026-11-27); ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``,
+``ar+unfused``, ``ar+f32cache``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
 
 Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps that drafted nothing, the ratio per
@@ -56,7 +57,7 @@ POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
-OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy"}  # variant parts that build a job of their own (main)
+OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache"}  # variant parts that build a job of their own (main)
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -139,7 +140,7 @@ def main() -> None:
     jobs = {variant: job for variant in variants}
     head, embed = source.module, pair.target.get_input_embeddings()
     lm_head = pair.target.get_output_embeddings()
-    python_wrapper = None
+    python_wrapper = float_cache = None
     for variant in variants:
         parts = variant.split("+")
         if not OWN_JOB & set(parts):
@@ -155,6 +156,11 @@ def main() -> None:
                 python_wrapper[1].prepare(256)  # (a graph's options are fixed when it is first compiled)
                 step_module.CPU_INDUCTOR = shipped
             variant_step, own_head = python_wrapper
+        if "f32cache" in parts:  # a step of its own (its own graphs) over a float32 cache
+            if float_cache is None:
+                float_cache = TargetStep(pair.target, compile=step.compile)
+                float_cache.cache_dtype = torch.float32
+            variant_step = float_cache
         variant_head = four_bit(head) if "q4head" in parts else head
         logits = head_logits(variant_head, pair.target)
         if "q8rows" in parts:

@@ -141,7 +141,7 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
     or loading it from the cache)."""
     model = step.model
     device = model.get_input_embeddings().weight.device
-    cache = StaticCache.for_model(model.config, 1, capacity, model.get_input_embeddings().weight.dtype, device)
+    cache = StaticCache.for_model(model.config, 1, capacity, step.cache_dtype, device)
     longest = max(step.shape(width, 1)[0] for width in widths)
     tokens = torch.randint(0, model.config.vocab_size, (1, prefix + longest), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)

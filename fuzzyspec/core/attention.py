@@ -31,6 +31,7 @@ def runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def attend(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Attention of ``query`` [B, k, heads, D] over a cache's ``keys`` and ``values`` [B, kv_heads, capacity, D]
-    (their first B rows serve where they hold more), where ``mask`` [B, 1, k, capacity] (bool) allows: [B, k,
-    heads, D], each query's result independent of the rest of the pass (module docstring)."""
+    (float32, or float16 read as the floats it holds; their first B rows serve where they hold more), where ``mask``
+    [B, 1, k, capacity] (bool) allows: [B, k, heads, D] in float32, each query's result independent of the rest of
+    the pass (module docstring)."""
     return torch.ops.fuzzyspec_attention.attend(query, keys, values, mask, scale)

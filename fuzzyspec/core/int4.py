@@ -248,6 +248,12 @@ class Int8Linear(nn.Module):
                 f"{', bias' if self.bias is not None else ''}")
 
 
+def holds_blocks(model: nn.Module) -> bool:
+    """Whether ``model`` holds layers of llama.cpp's blocks (a target at its GGUF's own bytes, or a drafter
+    rounded to match it)."""
+    return any(isinstance(module, (Int4Linear, Int8Linear)) for module in model.modules())
+
+
 def round_linears(module: nn.Module) -> None:
     """Replace every float ``nn.Linear`` in ``module`` whose inputs fill blocks of 32 by its Q8_0 rounding
     (``Int8Linear.rounded``): a small drafter of a 4-bit target then reads a quarter of its float32 bytes,

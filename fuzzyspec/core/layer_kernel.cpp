@@ -13,7 +13,9 @@
 // not on where they lie in the cache, how many other queries, heads or rows the pass holds, or how threads split
 // them. Vectors are 8 floats (AVX2 and FMA), with independent chains of multiply-adds where the order allows
 // (8 keys' dot products; 8 dimensions' weighted sums of values), and -ffp-contract=off (kernels.py), so the
-// compiler fuses nothing on its own. Tasks (row, query, kv head) are split among torch's threads.
+// compiler fuses nothing on its own. Tasks (row, query, kv head) are split among torch's threads. The cache holds
+// float32, or float16 (a 4-bit target's, as llama.cpp keeps it): its numbers are widened exactly (F16C) as they are
+// read, so the operations are the same.
 // The headers used, not ATen/ATen.h: it took 7 of the 9 s a first use spent building these kernels.
 //
 // NORM AND ROTARY EMBEDDING. Eager PyTorch runs an RMSNorm as six operations, and a layer's rotary embedding, with
@@ -64,6 +66,12 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
+// 8 of a cache's keys or values, as floats: float32 as it is, float16 widened (exact, by F16C).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -80,39 +88,28 @@ inline __m256 sums8(const __m256* a) {
 
 // out[d] = (sum_i p_i v_i[d]) / total for CH chunks of 8 dimensions from d0: each chunk's sum runs over i in order,
 // the CH chunks side by side (independent chains of multiply-adds, so they do not wait on one another).
-template <int CH>
-void weigh_values(const float* p, int64_t n, const float* const* rows, int64_t d0, float total, float* out) {
+template <int CH, typename T>
+void weigh_values(const float* p, int64_t n, const T* const* rows, int64_t d0, float total, float* out) {
   __m256 acc[CH];
   for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const __m256 w = _mm256_set1_ps(p[i]);
-    const float* v = rows[i] + d0;
-    for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    const T* v = rows[i] + d0;
+    for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
   }
   for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_div_ps(acc[c], _mm256_set1_ps(total)));
 }
 
-at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& mask,
-                  double scale) {
-  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && mask.dim() == 4,
-              "attend: query [B, W, H, D], keys and values [B, KVH, C, D], mask [B, 1, W, C]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-              values.scalar_type() == at::kFloat && mask.scalar_type() == at::kBool,
-              "attend: float32 query, keys and values, and a bool mask");
-  const at::Tensor q = query.contiguous(), k = keys.contiguous(), v = values.contiguous(), allowed = mask.contiguous();
-  const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = k.size(1), C = k.size(2);
-  TORCH_CHECK(k.size(0) >= B && k.size(3) == D && H % KVH == 0 && allowed.size(0) == B && allowed.size(2) == W &&
-              allowed.size(3) == C, "attend: shapes disagree");
-  at::Tensor out = at::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const bool* mp = allowed.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  const float s = static_cast<float>(scale);
+// out [B, W, H, D] = attention of q over the cache's keys kp and values vp [>= B, KVH, C, D], of element T.
+template <typename T>
+void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, float s, int64_t B, int64_t W,
+                 int64_t H, int64_t D, int64_t KVH, int64_t C, float* op) {
   const int64_t G = H / KVH, D8 = D - D % 8;
   // A task: one query of one row, against one kv head, for each of the query heads that share it.
   at::parallel_for(0, B * W * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const float*> seen(C + 8), rows(C);  // the keys and values a query sees
-    std::vector<float> weight(C + 8), zeros(D, 0.0f);
+    std::vector<const T*> seen(C + 8), rows(C);  // the keys and values a query sees
+    std::vector<float> weight(C + 8);
+    std::vector<T> zeros(D, T(0.0f));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task % KVH, bw = task / KVH, b = bw / W;
       const int64_t head = (b * KVH + g) * C * D;
@@ -140,14 +137,14 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
           for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
           for (int64_t d = 0; d < D8; d += 8) {
             const __m256 qd = _mm256_loadu_ps(qv + d);
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(seen[i + j] + d), acc[j]);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(seen[i + j] + d), acc[j]);
           }
           if (D8 == D) {  // (the same product as the lanes' one by one below)
             _mm256_storeu_ps(&weight[i], _mm256_mul_ps(sums8(acc), _mm256_set1_ps(s)));
           } else {
             _mm256_storeu_ps(&weight[i], sums8(acc));
             for (int j = 0; j < 8; ++j) {
-              for (int64_t d = D8; d < D; ++d) weight[i + j] += qv[d] * seen[i + j][d];
+              for (int64_t d = D8; d < D; ++d) weight[i + j] += qv[d] * static_cast<float>(seen[i + j][d]);
               weight[i + j] *= s;
             }
           }
@@ -179,12 +176,34 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
         }
         for (int64_t d = D8; d < D; ++d) {
           float acc = 0.0f;
-          for (int64_t i = 0; i < n; ++i) acc += weight[i] * rows[i][d];
+          for (int64_t i = 0; i < n; ++i) acc += weight[i] * static_cast<float>(rows[i][d]);
           o[d] = acc / total;
         }
       }
     }
   });
+}
+
+at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& mask,
+                  double scale) {
+  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && mask.dim() == 4,
+              "attend: query [B, W, H, D], keys and values [B, KVH, C, D], mask [B, 1, W, C]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && mask.scalar_type() == at::kBool &&
+              (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
+              values.scalar_type() == keys.scalar_type(),
+              "attend: a float32 query, float32 or float16 keys and values, and a bool mask");
+  const at::Tensor q = query.contiguous(), k = keys.contiguous(), v = values.contiguous(), allowed = mask.contiguous();
+  const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = k.size(1), C = k.size(2);
+  TORCH_CHECK(k.size(0) >= B && k.size(3) == D && H % KVH == 0 && allowed.size(0) == B && allowed.size(2) == W &&
+              allowed.size(3) == C, "attend: shapes disagree");
+  at::Tensor out = at::empty_like(q);
+  const float s = static_cast<float>(scale);
+  if (k.scalar_type() == at::kHalf)
+    attend_over(q.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), allowed.data_ptr<bool>(), s,
+                B, W, H, D, KVH, C, out.data_ptr<float>());
+  else
+    attend_over(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), allowed.data_ptr<bool>(), s, B, W,
+                H, D, KVH, C, out.data_ptr<float>());
   return out;
 }
 
@@ -227,14 +246,29 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   }
 }
 
+// n numbers into a cache: float32 as they are; float16 rounded to the nearest, ties to even (as PyTorch rounds),
+// by F16C, 8 at a time where they lie side by side.
+inline void put(const float* x, int64_t n, float* out, int64_t stride) {
+  for (int64_t j = 0; j < n; ++j) out[j * stride] = x[j];
+}
+inline void put(const float* x, int64_t n, c10::Half* out, int64_t stride) {
+  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  int64_t j = 0;
+  for (; stride == 1 && j + 8 <= n; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), nearest));
+  for (; j < n; ++j) out[j * stride] = c10::Half(_cvtss_sh(x[j], nearest), c10::Half::from_bits());
+}
+
 // A layer's rotary embedding and cache writes: q, k, v [B, T, heads * D] (q's, k's, v's heads side by side, as the
 // projections give them), cos and sin [B, T, 1, D]; k rotated and v go into keys and values [slots, kv_heads,
 // capacity, D] at row where[b, 0] and position write[b, t]; returns q rotated, [B, T, heads, D].
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor& keys, at::Tensor& values, const at::Tensor& where,
                       const at::Tensor& write, int64_t heads, int64_t kv_heads) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &keys, &values})
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "rope_store: float32 tensors");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "rope_store: float32 q, k, v, cos and sin");
+  TORCH_CHECK((keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
+              values.scalar_type() == keys.scalar_type(), "rope_store: a float32 or float16 cache");
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(),
               "rope_store: keys and values [slots, kv, capacity, D]");
   const int64_t rows = q.size(0), width = q.size(1), dim = keys.size(3), capacity = keys.size(2);
@@ -249,7 +283,7 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const float *qs = qc.data_ptr<float>(), *ks = kc.data_ptr<float>(), *vs = vc.data_ptr<float>();
   const float *cs = cc.data_ptr<float>(), *ss = sc.data_ptr<float>();
   const int64_t *slots = slot.data_ptr<int64_t>(), *positions = position.data_ptr<int64_t>();
-  float *kd = keys.data_ptr<float>(), *vd = values.data_ptr<float>(), *qd = out.data_ptr<float>();
+  float* qd = out.data_ptr<float>();
   const auto ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2), ks3 = keys.stride(3);
   const auto vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2), vs3 = values.stride(3);
   for (int64_t b = 0; b < rows; ++b) {  // (checked before anything is written)
@@ -258,21 +292,27 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       TORCH_CHECK(positions[b * width + t] >= 0 && positions[b * width + t] < capacity,
                   "rope_store: a position past the cache's end");
   }
-  for (int64_t b = 0; b < rows; ++b) {
-    const int64_t s = slots[b];
-    for (int64_t t = 0; t < width; ++t) {
-      const int64_t token = b * width + t, p = positions[token];
-      const float *c = cs + token * dim, *n = ss + token * dim;
-      for (int64_t h = 0; h < heads; ++h)
-        rotate(qs + (token * heads + h) * dim, c, n, dim, qd + (token * heads + h) * dim, 1);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(ks + (token * kv_heads + h) * dim, c, n, dim, kd + s * ks0 + h * ks1 + p * ks2, ks3);
-        const float* from = vs + (token * kv_heads + h) * dim;
-        float* to = vd + s * vs0 + h * vs1 + p * vs2;
-        for (int64_t j = 0; j < dim; ++j) to[j * vs3] = from[j];
+  auto store = [&](auto* kd, auto* vd) {
+    std::vector<float> rotated(dim);
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t s = slots[b];
+      for (int64_t t = 0; t < width; ++t) {
+        const int64_t token = b * width + t, p = positions[token];
+        const float *c = cs + token * dim, *n = ss + token * dim;
+        for (int64_t h = 0; h < heads; ++h)
+          rotate(qs + (token * heads + h) * dim, c, n, dim, qd + (token * heads + h) * dim, 1);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          rotate(ks + (token * kv_heads + h) * dim, c, n, dim, rotated.data(), 1);
+          put(rotated.data(), dim, kd + s * ks0 + h * ks1 + p * ks2, ks3);
+          put(vs + (token * kv_heads + h) * dim, dim, vd + s * vs0 + h * vs1 + p * vs2, vs3);
+        }
       }
     }
-  }
+  };
+  if (keys.scalar_type() == at::kHalf)
+    store(keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>());
+  else
+    store(keys.data_ptr<float>(), values.data_ptr<float>());
   return out;
 }
 

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import kernels
 from .attention import attend, runs as attention_runs
 from .cost import Profile
-from .int4 import projection_groups
+from .int4 import holds_blocks, projection_groups
 from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
 
@@ -117,7 +117,7 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
         q, k, v = qkv(x).split(heads.widths, -1)
     else:
         q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
-    if _fused(h) and keys.dtype == cos.dtype == torch.float32:
+    if _fused(h) and cos.dtype == torch.float32 and keys.dtype in (torch.float32, torch.float16):
         q = torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, keys, values, where, write, heads.count, heads.kv)
     else:
         q = _rotate(q.view(rows, width, heads.count, heads.dim), cos, sin)
@@ -324,6 +324,13 @@ class TargetStep:
         self.profile = Profile()  # what its steps (and its drafters') cost here, measured as they run
         self._spare: StaticCache | None = None  # the cache the last engine gave back (``borrow_cache``)
         self._lending = threading.Lock()
+        weight = model.get_input_embeddings().weight
+        # A target held at its GGUF's 4-bit bytes caches its keys and values in float16, as llama.cpp does by
+        # default: a step reads every cached position's, and at a few hundred positions that is a sixth of what a
+        # step of the embedded model reads (float32: 46 KB a position). Only our own forward with our attention
+        # reads a float16 cache; every other keeps the weights' dtype.
+        half = (holds_blocks(model) and isinstance(self.forward, LlamaForward) and self.forward.heads.invariant)
+        self.cache_dtype = torch.float16 if half else weight.dtype
 
     def borrow_cache(self, slots: int, capacity: int) -> StaticCache:
         """An empty cache of ``slots`` rows of ``capacity`` positions for one engine: the one the last engine gave
@@ -331,11 +338,12 @@ class TargetStep:
         same tensors, which CUDA graphs are captured over: a new cache for each answer would capture them anew."""
         with self._lending:
             spare, self._spare = self._spare, None
-        if spare is not None and (spare.slots, spare.capacity) == (slots, capacity):
+        if spare is not None and (spare.slots, spare.capacity, spare.keys[0].dtype) == (slots, capacity,
+                                                                                         self.cache_dtype):
             spare.clear()
             return spare
         weight = self.model.get_input_embeddings().weight
-        return StaticCache.for_model(self.model.config, slots, capacity, weight.dtype, weight.device, self.shards)
+        return StaticCache.for_model(self.model.config, slots, capacity, self.cache_dtype, weight.device, self.shards)
 
     def give_back(self, cache: StaticCache) -> None:
         """``cache``, no longer used by the engine that borrowed it, for the next one."""

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.draft import Drafter
-from ..core.int4 import Int4Linear, Int8Linear, round_linears
+from ..core.int4 import holds_blocks, round_linears
 from ..loading import EMBEDDED, LoadError, check_model_name, check_vocabularies, load_model, shipped
 from ..options import DEFAULT_DRAFT, DEFAULT_JOB
 from .draftlm import DraftLM, is_shared_draft, load_draft_lm, self_draft
@@ -138,7 +138,7 @@ def _load(name: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 def _in_targets_form(drafter: torch.nn.Module, target: PreTrainedModel) -> torch.nn.Module:
     """A drafter of a target held at its GGUF's 4-bit bytes reads its own float layers as Q8_0 (``int4``): its
     float32 products would cost a 4-bit target's step half again per draft token."""
-    if any(isinstance(module, (Int4Linear, Int8Linear)) for module in target.modules()):
+    if holds_blocks(target):
         round_linears(drafter)
     return drafter
 

@@ -60,9 +60,20 @@ def test_a_querys_result_depends_only_on_the_keys_it_sees_in_order():
     assert torch.equal(together[1, 4], alone[0, 0])
 
 
+def test_a_float16_cache_is_read_as_the_floats_it_holds():
+    """A 4-bit target caches its keys and values in float16: attention over them is, bit for bit, attention over
+    the same numbers in float32 (each widened exactly), so it keeps every property above."""
+    for dim in (12, 64):
+        query, keys, values, mask = random_pass(2, 5, 6, 2, dim, 300, seed=dim)
+        keys, values = keys.half(), values.half()
+        assert torch.equal(attend(query, keys, values, mask, 0.3), attend(query, keys.float(), values.float(), mask, 0.3))
+
+
 def test_bad_operands_are_one_clear_error():
     query, keys, values, mask = random_pass(1, 2, 4, 2, 8, 10, seed=0)
     with pytest.raises(RuntimeError, match="bool mask"):
         attend(query, keys, values, mask.float(), 1.0)
     with pytest.raises(RuntimeError, match="shapes disagree"):
         attend(query, keys, values, mask[..., :9], 1.0)
+    with pytest.raises(RuntimeError, match="float32 or float16 keys"):
+        attend(query, keys.half(), values, mask, 1.0)

@@ -100,7 +100,8 @@ def test_fused_projections_compute_each_layers_outputs_side_by_side():
 @pytest.mark.parametrize("compile,fused", [(False, False), (False, True), (True, True)])
 def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fused):
     """sd reproduces the int4 target exactly: the engine's own forward (eager or compiled, with the projections
-    fused or not) gives the greedy text of transformers' generate on the same int4 model."""
+    fused or not) gives the greedy text of transformers' generate on the same int4 model (whose float32 cache
+    moves these logits by far less than their margins; our step's is float16)."""
     model = int4_model(seed=0, fused=fused)
     prompt = torch.tensor([[1, 5, 9, 3, 7, 2]])
     expected = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, 6:].tolist()
@@ -109,6 +110,15 @@ def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fuse
         tokens, stats = decode(step, ModelDrafter(draft, 32), prompt, DecodeConfig(method=method, max_new_tokens=20), 32)
         assert tokens[0].tolist() == expected
 
+
+
+def test_a_4bit_target_caches_its_keys_and_values_in_float16_a_float_one_in_its_own_dtype(target):
+    """Half the bytes a step reads at each cached position, as llama.cpp keeps them by default; only where our
+    own forward and attention read the cache (transformers' forward keeps the weights' dtype)."""
+    model = int4_model(seed=0)
+    assert TargetStep(model).borrow_cache(2, 16).keys[0].dtype == torch.float16
+    assert TargetStep(model, own=False).cache_dtype == torch.float32
+    assert TargetStep(target).borrow_cache(2, 16).values[-1].dtype == torch.float32
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -122,7 +132,7 @@ def test_a_verification_scores_each_node_exactly_as_a_one_token_step(compile):
     model = int4_model(seed=2, fused=True, hidden=256)  # heads of 64 after 70 tokens: here SDPA fails this test
     model.lm_head = Int4Linear.rounded(model.lm_head.weight.data)
     step = TargetStep(model, compile=compile)
-    assert step.forward.heads.invariant
+    assert step.forward.heads.invariant and step.cache_dtype == torch.float16
 
     def run(cache, tokens, tree=None, depths=None):
         logits, _ = run_step(step, cache, tokens, tree, depths, compiled=True)
@@ -131,14 +141,14 @@ def test_a_verification_scores_each_node_exactly_as_a_one_token_step(compile):
 
     prefix = torch.randint(0, 32, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
-        cache = StaticCache.for_model(model.config, 1, 128, torch.float32, "cpu")
+        cache = StaticCache.for_model(model.config, 1, 128, step.cache_dtype, "cpu")
         run(cache, [prefix])
         # newest token 6, then the tree: 11 and 12 below it, 13 below 11, 14 below 13
         tree = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]],
                             dtype=torch.bool)
         verified = run(cache, [[6, 11, 12, 13, 14]], tree, torch.tensor([[0, 1, 1, 2, 3]]))
         for column, path in [(2, [6, 12]), (4, [6, 11, 13, 14])]:
-            cache = StaticCache.for_model(model.config, 1, 128, torch.float32, "cpu")
+            cache = StaticCache.for_model(model.config, 1, 128, step.cache_dtype, "cpu")
             run(cache, [prefix])
             for token in path:  # AR: one token a step
                 one = run(cache, [[token]])

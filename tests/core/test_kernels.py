@@ -24,6 +24,8 @@ eight = Int8Linear.from_codes(saved["codes8"], saved["scales"])
 x = saved["x"]
 torch.save({"four": four(x), "eight": eight(x), "alone": torch.cat([four(x[i: i + 1]) for i in range(len(x))]),
             "attention": attend(*saved["attention"], 0.125),
+            "attention16": attend(saved["attention"][0], saved["attention"][1].half(), saved["attention"][2].half(),
+                                  saved["attention"][3], 0.125),
             "norm": torch.ops.fuzzyspec_layer.rms_norm(x, saved["x"][0], 1e-5)}, sys.argv[3])
 """
 
@@ -64,6 +66,8 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
         assert torch.equal(out["eight"], eight(saved["x"])), name
         assert torch.equal(out["alone"], out["four"]), name
         assert torch.equal(out["attention"], attend(*saved["attention"], 0.125)), name
+        query, keys, values, mask = saved["attention"]
+        assert torch.equal(out["attention16"], attend(query, keys.half(), values.half(), mask, 0.125)), name
         assert torch.equal(out["norm"], torch.ops.fuzzyspec_layer.rms_norm(saved["x"], saved["x"][0], 1e-5)), name
 
 

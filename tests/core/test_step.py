@@ -93,6 +93,11 @@ def test_an_eager_steps_fused_norm_and_rotary_calls_compute_what_pytorch_does(ta
     with pytest.raises(RuntimeError, match="past the cache's end"):  # refused before anything is written
         torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, keys, values, where, write + 5, 4, 2)
     assert torch.equal(keys, expected_keys)
+    # a float16 cache (a 4-bit target's) gets the same numbers rounded to the nearest, as PyTorch's assignment does
+    half_keys, half_values = torch.zeros(3, 2, 10, 8, dtype=torch.float16), torch.zeros(3, 2, 10, 8, dtype=torch.float16)
+    again = torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, half_keys, half_values, where, write, 4, 2)
+    assert torch.equal(again, rotated)
+    assert torch.equal(half_keys, expected_keys.half()) and torch.equal(half_values, expected_values.half())
 
     norm = target.model.layers[0].input_layernorm
     x = torch.randn(5, 7, norm.weight.shape[0], generator=generator)

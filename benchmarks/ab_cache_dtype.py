@@ -1,0 +1,79 @@
+"""A 4-bit target's cache in float16 (as shipped since 2026-11-27, and as llama.cpp keeps it) against float32 (as
+before), A/B in one process: the embedded target's step of k tokens after a context of n cached positions, the two
+caches' steps taking turns. A step reads every cached position's keys and values (46 KB a position in float32, for
+the embedded target's 30 layers), so what float16 saves grows with the context.
+
+Usage: python benchmarks/ab_cache_dtype.py [--modes eager,compiled] [--contexts 128,512,1024,2000] [--widths 1,6]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fuzzyspec.api import ModelPair
+from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+from fuzzyspec.core.step import TargetStep
+from fuzzyspec.loading import cpu_isa
+
+DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--contexts", default="128,512,1024,2000")
+    parser.add_argument("--widths", default="1,6")
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    contexts = [int(n) for n in args.contexts.split(",")]
+    widths = [int(k) for k in args.widths.split(",")]
+    model = ModelPair.load(draft=None, weights="int4").target
+    print(f"ab_cache_dtype: CPU {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; the embedded target "
+          f"in int4; ms of one step, median of {args.repeats}, the two caches interleaved; {time.strftime('%Y-%m-%d')}")
+    generator = torch.Generator().manual_seed(0)
+    for mode in args.modes.split(","):
+        steps = {}
+        for name, dtype in DTYPES.items():
+            steps[name] = TargetStep(model, compile=mode == "compiled")
+            steps[name].cache_dtype = dtype
+        for context in contexts:
+            capacity = max(256, 1 << (context + max(widths)).bit_length())  # as the engine doubles its cache
+            tokens = torch.randint(0, model.config.vocab_size, (1, context + max(widths)), generator=generator)
+            start, zero = torch.tensor([context]), torch.zeros(1, dtype=torch.long)
+            caches = {}
+            with torch.inference_mode():
+                for name, step in steps.items():  # the same context in each cache (a prefill runs eagerly)
+                    cache = caches[name] = StaticCache.for_model(model.config, 1, capacity, step.cache_dtype, "cpu")
+                    positions = write_positions(zero, context)
+                    step(cache, tokens[:, :context], positions, positions,
+                         attention_mask(zero, chain_tree(1, context, "cpu"), capacity), None, 1)
+                    cache.lengths = [context]
+                line = f"  {mode:8s} context {context:5d}:"
+                for width in widths:  # the width's tokens written after the context, again and again
+                    feed, positions = tokens[:, context: context + width], write_positions(start, width)
+                    mask = attention_mask(start, chain_tree(1, width, "cpu"), capacity)
+
+                    def run(name: str) -> None:
+                        steps[name](caches[name], feed, positions, positions, mask, None, 0, (),
+                                    compiled=mode == "compiled")
+                    for name in steps:  # (compiling, or warming)
+                        run(name), run(name)
+                    spent = {name: [] for name in steps}
+                    for repeat in range(args.repeats):
+                        for name in (list(steps) if repeat % 2 else list(steps)[::-1]):
+                            clock = time.perf_counter()
+                            run(name)
+                            spent[name].append(time.perf_counter() - clock)
+                    half, full = (1e3 * statistics.median(spent[name]) for name in DTYPES)
+                    line += f"   {width} token{'s' if width > 1 else ' '}: float16 {half:6.2f}, float32 {full:6.2f} " \
+                            f"({full / half:.3f}x)"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
