@@ -329,8 +329,8 @@ class TargetStep:
         # default: a step reads every cached position's, and at a few hundred positions that is a sixth of what a
         # step of the embedded model reads (float32: 46 KB a position). Only our own forward with our attention
         # reads a float16 cache; every other keeps the weights' dtype.
-        half = (holds_blocks(model) and isinstance(self.forward, LlamaForward) and self.forward.heads.invariant)
-        self.cache_dtype = torch.float16 if half else weight.dtype
+        float16_cache = holds_blocks(model) and isinstance(self.forward, LlamaForward) and self.forward.heads.invariant
+        self.cache_dtype = torch.float16 if float16_cache else weight.dtype
 
     def borrow_cache(self, slots: int, capacity: int) -> StaticCache:
         """An empty cache of ``slots`` rows of ``capacity`` positions for one engine: the one the last engine gave
