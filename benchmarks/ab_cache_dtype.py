@@ -62,7 +62,8 @@ def main() -> None:
                         steps[name](caches[name], feed, positions, positions, mask, None, 0, (),
                                     compiled=mode == "compiled")
                     for name in steps:  # (compiling, or warming)
-                        run(name), run(name)
+                        for _ in range(2):
+                            run(name)
                     spent = {name: [] for name in steps}
                     for repeat in range(args.repeats):
                         for name in (list(steps) if repeat % 2 else list(steps)[::-1]):
