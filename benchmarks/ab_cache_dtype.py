@@ -8,15 +8,20 @@ Usage: python benchmarks/ab_cache_dtype.py [--modes eager,compiled] [--contexts 
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from fuzzyspec.api import ModelPair
-from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
-from fuzzyspec.core.step import TargetStep
-from fuzzyspec.loading import cpu_isa
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_int4_kernel import interleaved  # noqa: E402 (this folder's module)
+
+from fuzzyspec.api import ModelPair  # noqa: E402
+from fuzzyspec.core import kernels  # noqa: E402
+from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions  # noqa: E402
+from fuzzyspec.core.step import TargetStep  # noqa: E402
+from fuzzyspec.loading import cpu_isa  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
@@ -33,8 +38,9 @@ def main() -> None:
     contexts = [int(n) for n in args.contexts.split(",")]
     widths = [int(k) for k in args.widths.split(",")]
     model = ModelPair.load(draft=None, weights="int4").target
-    print(f"ab_cache_dtype: CPU {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; the embedded target "
-          f"in int4; ms of one step, median of {args.repeats}, the two caches interleaved; {time.strftime('%Y-%m-%d')}")
+    print(f"ab_cache_dtype: CPU {cpu_isa()} (torch's kernels for {torch.backends.cpu.get_cpu_capability()}, ours for "
+          f"{kernels.isa()}); {args.threads} threads; torch {torch.__version__}; the embedded target in int4 (float32 "
+          f"activations); ms of one step, median of {args.repeats}, the two caches interleaved; {time.strftime('%Y-%m-%d')}")
     generator = torch.Generator().manual_seed(0)
     for mode in args.modes.split(","):
         steps = {}
@@ -64,13 +70,8 @@ def main() -> None:
                     for name in steps:  # (compiling, or warming)
                         for _ in range(2):
                             run(name)
-                    spent = {name: [] for name in steps}
-                    for repeat in range(args.repeats):
-                        for name in (list(steps) if repeat % 2 else list(steps)[::-1]):
-                            clock = time.perf_counter()
-                            run(name)
-                            spent[name].append(time.perf_counter() - clock)
-                    half, full = (1e3 * statistics.median(spent[name]) for name in DTYPES)
+                    medians = interleaved(run, tuple(steps), args.repeats)
+                    half, full = (1e3 * medians[name] for name in DTYPES)
                     line += f"   {width} token{'s' if width > 1 else ' '}: float16 {half:6.2f}, float32 {full:6.2f} " \
                             f"({full / half:.3f}x)"
                 print(line, flush=True)
