@@ -4,18 +4,21 @@
 // ATTENTION, by the same operations whatever else is in the pass (attention.py says why). For query t of row b and
 // head h (kv head h / (H / KVH)):
 //
-//     visit the positions c_1 < c_2 < ... < c_n that mask[b, 0, t] allows, in increasing order;
-//     s_i = scale (q . k[c_i]),  m = max_i s_i,  p_i = e^(s_i - m),  out = (sum_i p_i v[c_i]) / (sum_i p_i).
+//     visit the positions c_1 < c_2 < ... < c_n that mask[b, 0, t] allows, in increasing order, in S = ceil(n / 128)
+//     spans of equal size (to within one); in span j, s_i = scale (q . k[c_i]), m_j = max_i s_i, p_i = e^(s_i - m_j),
+//     l_j = sum_i p_i, a_j = sum_i p_i v[c_i]; then M = max_j m_j, w_j = e^(m_j - M),
+//     out = (sum_j w_j a_j) / (sum_j w_j l_j)   (one span: out = a_1 / l_1).
 //
 // Each number is made by a fixed sequence of operations on what the query sees: a score's dot product by the same
-// lanes and tree of additions whichever of 8 keys scored together it is (a last group is filled with zero keys),
-// the sums over i in the order of i. So a query's result depends only on the sequence of keys and values it sees,
-// not on where they lie in the cache, how many other queries, heads or rows the pass holds, or how threads split
-// them. Vectors are 8 floats (AVX2 and FMA), with independent chains of multiply-adds where the order allows
-// (8 keys' dot products; 8 dimensions' weighted sums of values), and -ffp-contract=off (kernels.py), so the
-// compiler fuses nothing on its own. Tasks (row, query, kv head) are split among torch's threads. The cache holds
-// float32, or float16 (a 4-bit target's, as llama.cpp keeps it): its numbers are widened exactly (F16C) as they are
-// read, so the operations are the same.
+// lanes and tree of additions whichever group of keys and heads scored together it is in (a last group is filled
+// with zero keys), the sums in the order of i, the spans' in the order of j, and the spans a function of n alone. So
+// a query's result depends only on the sequence of keys and values it sees, not on where they lie in the cache, how
+// many other queries, heads or rows the pass holds, or how threads split them. Vectors are 8 floats (AVX2 and FMA),
+// with independent chains of multiply-adds where the order allows, and -ffp-contract=off (kernels.py), so the
+// compiler fuses nothing on its own. Tasks (row, query, kv head, span) are split among torch's threads; a task takes
+// the heads that share its kv head three at a time, so each key and value is read (and widened) once for three.
+// The cache holds float32, or float16 (a 4-bit target's, as llama.cpp keeps it): its numbers are widened exactly
+// (F16C) as they are read, so the operations are the same.
 // The headers used, not ATen/ATen.h: it took 7 of the 9 s a first use spent building these kernels.
 //
 // NORM AND ROTARY EMBEDDING. Eager PyTorch runs an RMSNorm as six operations, and a layer's rotary embedding, with
@@ -80,105 +83,279 @@ inline float hmax(__m256 v) {
 }
 
 // Lane j: the sum of the 8 lanes of a[j], by the same tree of additions for every j.
-inline __m256 sums8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+inline __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out[d] = (sum_i p_i v_i[d]) / total for CH chunks of 8 dimensions from d0: each chunk's sum runs over i in order,
-// the CH chunks side by side (independent chains of multiply-adds, so they do not wait on one another).
-template <int CH, typename T>
-void weigh_values(const float* p, int64_t n, const T* const* rows, int64_t d0, float total, float* out) {
-  __m256 acc[CH];
-  for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 w = _mm256_set1_ps(p[i]);
-    const T* v = rows[i] + d0;
-    for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
+// Lane j < 4: the sum of the 8 lanes of a[j], by sums8's tree of additions.
+inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+constexpr int64_t AHEAD = 8;  // positions a span's first heads prefetch ahead
+
+// HG heads' scores against KEYS keys at a time, each head's keys' dot products side by side: the keys are read (and
+// a float16 cache's widened) once for the heads that share them. Key j's score for head h: lane l of acc[h][j] sums
+// q_h[d] k_j[d] over the dimensions d = l mod 8 in order, then sums8's tree (sums4's, its first four lanes), then the
+// scale: the same operations for every head count and key group.
+template <int HG, int KEYS, typename T>
+void score(const float* q, int64_t D, const T* const* seen, const T* const* rows, int64_t n, float s, float* weight,
+           int64_t wstride, bool fetch) {
+  const int64_t D8 = D - D % 8;
+  const int64_t lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  for (int64_t i = 0; i < n; i += KEYS) {
+    if (fetch)  // keys AHEAD positions on, and the values the weighing reads next (the cache is read from memory)
+      for (int64_t j = i + AHEAD; j < std::min(n, i + AHEAD + KEYS); ++j)
+        for (int64_t l = 0; l < lines; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(seen[j]) + 64 * l, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + 64 * l, _MM_HINT_T1);
+        }
+    __m256 acc[HG][KEYS];
+#pragma GCC unroll 16
+    for (int h = 0; h < HG; ++h)
+#pragma GCC unroll 16
+      for (int j = 0; j < KEYS; ++j) acc[h][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+      __m256 qd[HG];
+#pragma GCC unroll 16
+      for (int h = 0; h < HG; ++h) qd[h] = _mm256_loadu_ps(q + h * D + d);
+#pragma GCC unroll 16
+      for (int j = 0; j < KEYS; ++j) {
+        const __m256 k = load8(seen[i + j] + d);
+#pragma GCC unroll 16
+        for (int h = 0; h < HG; ++h) acc[h][j] = _mm256_fmadd_ps(qd[h], k, acc[h][j]);
+      }
+    }
+    // Each head's key sums, then the scale (one product each), by loops of fixed counts, unrolled: with a loop of
+    // the dimensions left among them, the accumulators stayed in memory and were stored at every step of the loop
+    // above; and the scale as a vector's product (a store then scalar loads of its lanes waits on the store).
+    const int64_t tail = D - D8;
+#pragma GCC unroll 16
+    for (int h = 0; h < HG; ++h) {
+      float* w = weight + h * wstride + i;
+      if constexpr (KEYS == 8) {
+        const __m256 sums = sums8(acc[h][0], acc[h][1], acc[h][2], acc[h][3], acc[h][4], acc[h][5], acc[h][6],
+                                  acc[h][7]);
+        _mm256_storeu_ps(w, tail ? sums : _mm256_mul_ps(sums, _mm256_set1_ps(s)));
+      } else {
+        const __m128 sums = sums4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+        _mm_storeu_ps(w, tail ? sums : _mm_mul_ps(sums, _mm_set1_ps(s)));
+      }
+    }
+    if (tail)  // the dimensions past the last 8, one by one (then the same product by the scale)
+#pragma GCC unroll 16
+      for (int h = 0; h < HG; ++h) {
+        float* w = weight + h * wstride + i;
+#pragma GCC unroll 16
+        for (int j = 0; j < KEYS; ++j) {
+          for (int64_t d = D8; d < D; ++d) w[j] += q[h * D + d] * static_cast<float>(seen[i + j][d]);
+          w[j] *= s;
+        }
+      }
   }
-  for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_div_ps(acc[c], _mm256_set1_ps(total)));
+}
+
+// out_h[d] = (sum_i p_h[i] v_i[d]) / divisor_h for HG heads and CH chunks of 8 dimensions from d0: each sum runs over
+// i in order, the heads' and chunks' side by side (independent chains of multiply-adds), each value read (and a
+// float16 one widened) once for the heads that share it.
+template <int HG, int CH, typename T>
+void weigh_values(const float* p, int64_t pstride, int64_t n, const T* const* rows, int64_t d0, const float* divisor,
+                  float* out, int64_t ostride) {
+  __m256 acc[HG][CH];
+#pragma GCC unroll 16
+  for (int h = 0; h < HG; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < CH; ++c) acc[h][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = rows[i] + d0;
+#pragma GCC unroll 16
+    for (int c = 0; c < CH; ++c) {
+      const __m256 value = load8(v + 8 * c);
+#pragma GCC unroll 16
+      for (int h = 0; h < HG; ++h) acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * pstride + i]), value, acc[h][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < HG; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < CH; ++c)
+      _mm256_storeu_ps(out + h * ostride + d0 + 8 * c, _mm256_div_ps(acc[h][c], _mm256_set1_ps(divisor[h])));
+}
+
+// Attention of HG consecutive heads' queries q [HG, D] over one span's keys seen[0 .. n) (followed by zero keys to a
+// whole group) and values rows[0 .. n): head h's result, divided by its weights' sum where whole, into out + h
+// ostride; else undivided, with its largest score and its weights' sum at out[-2] and out[-1] (the combining's).
+template <int HG, typename T>
+void attend_span(const float* q, int64_t D, const T* const* seen, const T* const* rows, int64_t n, float s,
+                 float* weight, int64_t wstride, bool whole, float* out, int64_t ostride, bool fetch) {
+  const int64_t D8 = D - D % 8;
+  constexpr int KEYS = HG == 1 ? 8 : 4;  // (independent chains enough to keep the multiply-adds busy)
+  score<HG, KEYS>(q, D, seen, rows, n, s, weight, wstride, fetch);
+  float divisor[HG];
+  for (int h = 0; h < HG; ++h) {
+    float* w = weight + h * wstride;
+    // The largest score, 8 lanes at a time (a maximum is exact in any order); lanes past n are left out.
+    __m256 most = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(w + i));
+    float top = hmax(most);
+    for (; i < n; ++i) top = w[i] > top ? w[i] : top;
+    const __m256 shift = _mm256_set1_ps(top);  // (the last 8 lanes may run past n: never summed)
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(w + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + i), shift)));
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; ++i) total += w[i];
+    divisor[h] = whole ? total : 1.0f;  // (undivided: dividing by 1 is exact)
+    if (!whole) {
+      out[h * ostride - 2] = top;
+      out[h * ostride - 1] = total;
+    }
+  }
+  // Chunks of 8 dimensions, up to 8 at a time for one head, 4 for more (so 3 heads' sums, their weights and a value
+  // fit 16 registers).
+  constexpr int CHUNKS = HG == 1 ? 8 : 4;
+  for (int64_t d0 = 0; d0 < D8; d0 += 8 * CHUNKS) {
+    switch (std::min<int64_t>(CHUNKS, (D8 - d0) / 8)) {
+      case 8: weigh_values<HG, 8>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+      case 7: weigh_values<HG, 7>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+      case 6: weigh_values<HG, 6>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+      case 5: weigh_values<HG, 5>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+      case 4: weigh_values<HG, 4>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+      case 3: weigh_values<HG, 3>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+      case 2: weigh_values<HG, 2>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+      case 1: weigh_values<HG, 1>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
+    }
+  }
+  for (int h = 0; h < HG; ++h)
+    for (int64_t d = D8; d < D; ++d) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < n; ++i) acc += weight[h * wstride + i] * static_cast<float>(rows[i][d]);
+      out[h * ostride + d] = acc / divisor[h];
+    }
+}
+
+// A query's positions, at most SPAN to a task (see the top). Why spans: one query's attention was 3 tasks (one per
+// kv head of the embedded model) on 2 threads, so one thread did twice the other's share, and at long contexts,
+// where attention costs most, a task's keys and values no longer stayed in the core's caches for its three heads.
+constexpr int64_t SPAN = 128;
+constexpr int64_t HEADS = 3;  // heads of a kv head's group attended together
+
+inline int64_t spans_of(int64_t n) { return n > SPAN ? (n + SPAN - 1) / SPAN : 1; }
+
+// The positions [0, C) that allows[0 .. C) allows, in increasing order, into at; returns how many.
+inline int64_t allowed_positions(const bool* allows, int64_t C, int32_t* at) {
+  int64_t n = 0;
+  for (int64_t c = 0; c < C;) {
+    uint64_t eight = 0;  // (a row's cache is mostly a run of allowed positions, then a run of unwritten ones)
+    if (c + 8 <= C) std::memcpy(&eight, allows + c, 8);
+    if (c + 8 <= C && (eight == 0 || eight == 0x0101010101010101ULL)) {
+      if (eight)
+        for (int j = 0; j < 8; ++j) at[n++] = static_cast<int32_t>(c + j);
+      c += 8;
+      continue;
+    }
+    for (const int64_t stop = c + 8 <= C ? c + 8 : c + 1; c < stop; ++c)
+      if (allows[c]) at[n++] = static_cast<int32_t>(c);
+  }
+  return n;
+}
+
+struct Task {
+  int64_t bw, g, first, count, span;  // query bw (row b = bw / W), kv head g, its positions first .. first + count
+};
+
+// Scratch that outlives a call, so a long context's call does not map and zero fresh pages each time.
+template <typename T>
+T* room(std::vector<T>& held, size_t size) {
+  if (held.size() < size) held.resize(size);
+  return held.data();
 }
 
 // out [B, W, H, D] = attention of q over the cache's keys kp and values vp [>= B, KVH, C, D], of element T.
 template <typename T>
 void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, float s, int64_t B, int64_t W,
                  int64_t H, int64_t D, int64_t KVH, int64_t C, float* op) {
-  const int64_t G = H / KVH, D8 = D - D % 8;
-  // A task: one query of one row, against one kv head, for each of the query heads that share it.
-  at::parallel_for(0, B * W * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const T*> seen(C + 8), rows(C);  // the keys and values a query sees
-    std::vector<float> weight(C + 8);
+  const int64_t G = H / KVH, D8 = D - D % 8, BW = B * W;
+  static thread_local std::vector<int32_t> held_positions;
+  static thread_local std::vector<int64_t> held_counts;
+  static thread_local std::vector<float> held_partial;
+  int32_t* positions = room(held_positions, static_cast<size_t>(BW * C));
+  int64_t* counts = room(held_counts, static_cast<size_t>(BW));
+  at::parallel_for(0, BW, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t bw = begin; bw < end; ++bw) counts[bw] = allowed_positions(mp + bw * C, C, positions + bw * C);
+  });
+  std::vector<Task> tasks;
+  int64_t most = 1;  // spans of the query with the most
+  for (int64_t bw = 0; bw < BW; ++bw) {
+    const int64_t n = counts[bw], spans = spans_of(n);
+    most = std::max(most, spans);
+    for (int64_t g = 0; g < KVH; ++g)
+      for (int64_t i = 0; i < spans; ++i)  // span i: positions i n / spans .. (i + 1) n / spans (rounded down)
+        tasks.push_back({bw, g, i * n / spans, (i + 1) * n / spans - i * n / spans, i});
+  }
+  // A span's partial result per query and head: its largest score, its sum of weights, its weighted sum of values.
+  const int64_t stride = D + 2;
+  float* partial = most > 1 ? room(held_partial, static_cast<size_t>(BW * H * most * stride)) : nullptr;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<const T*> seen(SPAN + 8), rows(SPAN);  // the keys and values a task's span holds
+    std::vector<float> weight(HEADS * (SPAN + 8));
     std::vector<T> zeros(D, T(0.0f));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task % KVH, bw = task / KVH, b = bw / W;
-      const int64_t head = (b * KVH + g) * C * D;
-      const bool* allows = mp + bw * C;
-      int64_t n = 0;
-      for (int64_t c = 0; c < C;) {
-        uint64_t eight = 0;  // (a row's cache is mostly a run of allowed positions, then a run of unwritten ones)
-        if (c + 8 <= C) std::memcpy(&eight, allows + c, 8);
-        if (c + 8 <= C && eight == 0) {
-          c += 8;
-          continue;
-        }
-        for (const int64_t stop = c + 8 <= C ? c + 8 : c + 1; c < stop; ++c)
-          if (allows[c]) {
-            rows[n] = vp + head + c * D;
-            seen[n++] = kp + head + c * D;
-          }
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& task = tasks[t];
+      const int64_t n = task.count, bw = task.bw, g = task.g, b = bw / W, head = (b * KVH + g) * C * D;
+      const bool whole = spans_of(counts[bw]) == 1;
+      const int32_t* at = positions + bw * C + task.first;
+      for (int64_t i = 0; i < n; ++i) {
+        rows[i] = vp + head + at[i] * D;
+        seen[i] = kp + head + at[i] * D;
       }
-      for (int64_t i = n; i < n + 8; ++i) seen[i] = zeros.data();  // a last group of 8 keys is filled with zeros
-      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-        const float* qv = qp + (bw * H + h) * D;
-        // Scores 8 keys at a time: lane j of acc[j] sums q . k_j over the lanes' dimensions, then sums8.
-        for (int64_t i = 0; i < n; i += 8) {
-          __m256 acc[8];
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D8; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(qv + d);
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(seen[i + j] + d), acc[j]);
-          }
-          if (D8 == D) {  // (the same product as the lanes' one by one below)
-            _mm256_storeu_ps(&weight[i], _mm256_mul_ps(sums8(acc), _mm256_set1_ps(s)));
-          } else {
-            _mm256_storeu_ps(&weight[i], sums8(acc));
-            for (int j = 0; j < 8; ++j) {
-              for (int64_t d = D8; d < D; ++d) weight[i + j] += qv[d] * static_cast<float>(seen[i + j][d]);
-              weight[i + j] *= s;
-            }
-          }
+      for (int64_t i = n; i < n + 8; ++i) seen[i] = zeros.data();  // a last group of keys is filled with zeros
+      float* o = whole ? op + (bw * H + g * G) * D : partial + ((bw * H + g * G) * most + task.span) * stride + 2;
+      const int64_t ostride = whole ? D : most * stride;
+      const float* q = qp + (bw * H + g * G) * D;
+      for (int64_t h = 0; h < G; h += HEADS) {  // the heads sharing these keys and values, three at a time
+        switch (std::min<int64_t>(HEADS, G - h)) {
+          case 3: attend_span<3>(q + h * D, D, seen.data(), rows.data(), n, s, weight.data(), SPAN + 8, whole,
+                                 o + h * ostride, ostride, h == 0); break;
+          case 2: attend_span<2>(q + h * D, D, seen.data(), rows.data(), n, s, weight.data(), SPAN + 8, whole,
+                                 o + h * ostride, ostride, h == 0); break;
+          case 1: attend_span<1>(q + h * D, D, seen.data(), rows.data(), n, s, weight.data(), SPAN + 8, whole,
+                                 o + h * ostride, ostride, h == 0); break;
         }
-        // The largest score, 8 lanes at a time (a maximum is exact in any order); the last group's lanes past n
-        // are left out.
-        __m256 most = _mm256_set1_ps(-INFINITY);
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(&weight[i]));
-        float top = hmax(most);
-        for (; i < n; ++i) top = weight[i] > top ? weight[i] : top;
-        const __m256 shift = _mm256_set1_ps(top);  // (the last 8 lanes may run past n: never summed)
-        for (int64_t i = 0; i < n; i += 8)
-          _mm256_storeu_ps(&weight[i], exp8(_mm256_sub_ps(_mm256_loadu_ps(&weight[i]), shift)));
-        float total = 0.0f;
-        for (int64_t i = 0; i < n; ++i) total += weight[i];
-        float* o = op + (bw * H + h) * D;
-        for (int64_t d0 = 0; d0 < D8; d0 += 64) {
-          switch (std::min<int64_t>(8, (D8 - d0) / 8)) {
-            case 8: weigh_values<8>(weight.data(), n, rows.data(), d0, total, o); break;
-            case 7: weigh_values<7>(weight.data(), n, rows.data(), d0, total, o); break;
-            case 6: weigh_values<6>(weight.data(), n, rows.data(), d0, total, o); break;
-            case 5: weigh_values<5>(weight.data(), n, rows.data(), d0, total, o); break;
-            case 4: weigh_values<4>(weight.data(), n, rows.data(), d0, total, o); break;
-            case 3: weigh_values<3>(weight.data(), n, rows.data(), d0, total, o); break;
-            case 2: weigh_values<2>(weight.data(), n, rows.data(), d0, total, o); break;
-            case 1: weigh_values<1>(weight.data(), n, rows.data(), d0, total, o); break;
-          }
-        }
-        for (int64_t d = D8; d < D; ++d) {
-          float acc = 0.0f;
-          for (int64_t i = 0; i < n; ++i) acc += weight[i] * static_cast<float>(rows[i][d]);
-          o[d] = acc / total;
-        }
+      }
+    }
+  });
+  if (most == 1) return;
+  // Spans combined in their order: with M the largest of their largest scores and w_i = e^(m_i - M),
+  // out = (sum_i w_i acc_i) / (sum_i w_i total_i).
+  at::parallel_for(0, BW * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale(most + 8);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t spans = spans_of(counts[bh / H]);
+      if (spans == 1) continue;
+      const float* part = partial + bh * most * stride;
+      float top = -INFINITY;
+      for (int64_t i = 0; i < spans; ++i) top = std::max(top, part[i * stride]);
+      for (int64_t i = 0; i < spans; i += 8) {
+        float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t j = i; j < std::min(spans, i + 8); ++j) lanes[j - i] = part[j * stride] - top;
+        _mm256_storeu_ps(&scale[i], exp8(_mm256_loadu_ps(lanes)));
+      }
+      float total = 0.0f;
+      for (int64_t i = 0; i < spans; ++i) total += scale[i] * part[i * stride + 1];
+      float* o = op + bh * D;
+      for (int64_t d = 0; d < D8; d += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < spans; ++i)
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(scale[i]), _mm256_loadu_ps(part + i * stride + 2 + d), acc);
+        _mm256_storeu_ps(o + d, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+      }
+      for (int64_t d = D8; d < D; ++d) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < spans; ++i) acc += scale[i] * part[i * stride + 2 + d];
+        o[d] = acc / total;
       }
     }
   });

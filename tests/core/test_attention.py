@@ -42,16 +42,41 @@ def test_it_is_attention_over_a_cache_with_long_unwritten_runs(dim):
     torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_querys_result_depends_only_on_the_keys_it_sees_in_order():
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (7, 1, 12), (8, 4, 64)])
+def test_it_is_attention_over_a_long_context_split_among_tasks(heads, kv_heads, dim):
+    """Past 128 positions a query's positions are split into spans whose sums are combined: still attention, with
+    any number of heads sharing a kv head (taken three at a time)."""
+    query, keys, values, mask = random_pass(2, 3, heads, kv_heads, dim, 1500, seed=heads)
+    mask[1, 0, 2, 200:] = False  # a query of fewer spans beside longer ones
+    expected = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=mask, scale=0.3,
+                                              enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_contexts_result_does_not_depend_on_the_thread_count():
+    query, keys, values, mask = random_pass(1, 2, 9, 3, 64, 2000, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend(query, keys.half(), values.half(), mask, 0.125)
+        torch.set_num_threads(2)
+        two = attend(query, keys.half(), values.half(), mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("seen", [23, 128, 129, 700])
+def test_a_querys_result_depends_only_on_the_keys_it_sees_in_order(seen):
     """Alone over positions 0 .. n-1, or in a wider pass of several rows with the same keys and values scattered
-    (in the same order) among positions it may not see: bit for bit the same. This is what makes a tree node's
-    verification score it as AR's one-token step does."""
-    heads, kv_heads, dim, seen = 4, 2, 64, 23
+    (in the same order) among positions it may not see: bit for bit the same, in one span or several. This is what
+    makes a tree node's verification score it as AR's one-token step does."""
+    heads, kv_heads, dim = 6, 2, 64
     query, keys, values, _ = random_pass(1, 1, heads, kv_heads, dim, seen, seed=1)
     alone = attend(query, keys, values, torch.ones(1, 1, 1, seen, dtype=torch.bool), 0.125)
 
-    wide_query, wide_keys, wide_values, wide_mask = random_pass(3, 6, heads, kv_heads, dim, 64, seed=2)
-    where = torch.sort(torch.randperm(64, generator=torch.Generator().manual_seed(3))[:seen]).values
+    wide_query, wide_keys, wide_values, wide_mask = random_pass(3, 6, heads, kv_heads, dim, 2 * seen + 40, seed=2)
+    where = torch.sort(torch.randperm(2 * seen + 40, generator=torch.Generator().manual_seed(3))[:seen]).values
     wide_query[1, 4] = query[0, 0]
     wide_keys[1][:, where], wide_values[1][:, where] = keys[0], values[0]
     wide_mask[1, 0, 4] = False

@@ -26,6 +26,7 @@ torch.save({"four": four(x), "eight": eight(x), "alone": torch.cat([four(x[i: i 
             "attention": attend(*saved["attention"], 0.125),
             "attention16": attend(saved["attention"][0], saved["attention"][1].half(), saved["attention"][2].half(),
                                   saved["attention"][3], 0.125),
+            "long": attend(*saved["long"], 0.125),
             "norm": torch.ops.fuzzyspec_layer.rms_norm(x, saved["x"][0], 1e-5)}, sys.argv[3])
 """
 
@@ -48,7 +49,11 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
              "minimums": (torch.randn(40, 3, generator=generator) * 0.05).half(),
              "x": torch.randn(9, 96, generator=generator),
              "attention": (torch.randn(2, 5, 6, 12, generator=generator), torch.randn(2, 2, 40, 12, generator=generator),
-                           torch.randn(2, 2, 40, 12, generator=generator), mask)}
+                           torch.randn(2, 2, 40, 12, generator=generator), mask),
+             # past 128 positions, in spans; 7 heads to a kv head (three, three, one at a time)
+             "long": (torch.randn(1, 3, 7, 64, generator=generator), torch.randn(1, 1, 700, 64, generator=generator),
+                      torch.randn(1, 1, 700, 64, generator=generator),
+                      torch.rand(1, 1, 3, 700, generator=generator) < 0.6)}
     # the largest integer sums (AVX2 adds a Q4 block's products in int16): whole rows of the extreme codes, against
     # tokens whose every activation code is 127, or -127
     saved["codes4"][:4] = 15
@@ -68,6 +73,7 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
         assert torch.equal(out["attention"], attend(*saved["attention"], 0.125)), name
         query, keys, values, mask = saved["attention"]
         assert torch.equal(out["attention16"], attend(query, keys.half(), values.half(), mask, 0.125)), name
+        assert torch.equal(out["long"], attend(*saved["long"], 0.125)), name
         assert torch.equal(out["norm"], torch.ops.fuzzyspec_layer.rms_norm(saved["x"], saved["x"][0], 1e-5)), name
 
 
