@@ -20,10 +20,14 @@ target's float16 cache, 2026-11-27); ``pywrapper``, ``unfused`` and ``f32cache``
 ``ar+unfused``, ``ar+f32cache``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
 
+With ``--context N`` each everyday prompt is asked as the last turn of a long chat: after whole exchanges of held-out
+ShareGPT conversations (ones no drafter trained on, ``data.is_held_out``) worth about N tokens, a different chat for
+each prompt: how the planner does where a step's attention reads a long cache.
+
 Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps that drafted nothing, the ratio per
 prompt category, and each variant's profile at the end; and the CPU's instruction sets.
 
-Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24]
+Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24] [--context 0]
            [--variants ar,meanfold+w2m95+p6+k15,default,chain1]
 """
 from __future__ import annotations
@@ -45,6 +49,7 @@ from fuzzyspec.api import ModelPair  # noqa: E402
 from fuzzyspec.core import cost, engine, int4, step as step_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
+from fuzzyspec.data import is_held_out, read_sharegpt  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
 from fuzzyspec.drafters.lookup import CopyFirst  # noqa: E402
 from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa: E402
@@ -121,6 +126,27 @@ def apply(variant: str) -> dict:
     return options
 
 
+def chats(prompts: list[tuple[str, str]], tokenizer, context: int) -> list[tuple[str, str | list[dict]]]:
+    """Each prompt as the last turn of a chat whose earlier turns are whole exchanges (a user message and its answer)
+    of held-out ShareGPT conversations, taken in file order, worth about ``context`` tokens; the prompts as they are
+    where ``context`` is 0."""
+    if context <= 0:
+        return prompts
+    exchanges = ((first, second) for conversation in read_sharegpt() if is_held_out(conversation.id)
+                 for first, second in zip(conversation.messages, conversation.messages[1:])
+                 if first["role"] == "user" and second["role"] == "assistant")
+    made = []
+    for category, prompt in prompts:
+        messages: list[dict] = []
+        size = 0
+        while size < context:
+            first, second = next(exchanges)
+            messages += [first, second]
+            size += sum(len(tokenizer(message["content"])["input_ids"]) for message in (first, second))
+        made.append((category, messages + [{"role": "user", "content": prompt}]))
+    return made
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("eager", "compiled"), default="compiled")
@@ -128,6 +154,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", default="ar,meanfold+w2m95+p6+k15,default,chain1")
+    parser.add_argument("--context", type=int, default=0, help="tokens of earlier chat turns before each prompt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
@@ -184,12 +211,15 @@ def main() -> None:
                                                 prepare=head_step(variant_head, embed).prepare
                                                 if "q4head" in parts else None),
                                   variant_step, None)
-    prompts = everyday(args.prompts)
+    prompts = chats(everyday(args.prompts), pair.tokenizer, args.context)
+    # every cache capacity the prompts' steps run at (the engine's: 256 doubled to hold the prompt, then the answer)
+    capacities = tuple(sorted(({256, 512} if not args.context else set()) | {max(256, 1 << (length - 1).bit_length()) for _, prompt in prompts
+                                            for length in (job.encode(prompt).shape[1] + extra for extra in (1, 129))}))
     if step.compile:
-        tuning.prepare(job, job.config(**COMMON), (256, 512))
+        tuning.prepare(job, job.config(**COMMON), capacities)
         for variant in variants:  # a variant's own head or step compiles its own graphs, ahead as the shipped ones are
             if jobs[variant].step is not step:
-                tuning.prepare(jobs[variant], job.config(**COMMON), (256, 512))
+                tuning.prepare(jobs[variant], job.config(**COMMON), capacities)
             elif jobs[variant].draft.prepare is not None and jobs[variant].draft is not source:
                 jobs[variant].draft.prepare(256)
     start = step.profile.to_dict()
@@ -197,7 +227,8 @@ def main() -> None:
     for variant in variants:  # warm: each variant's first steps measure its profile's new sizes
         options, jobs[variant].step.profile = apply(variant), profiles[variant]
         jobs[variant].generate(job.encode(prompts[0][1]), **(COMMON | options))
-    totals = {v: {"seconds": 0.0, "tokens": 0, "passes": 0, "drafted": 0, "by_category": {}} for v in variants}
+    totals = {v: {"seconds": 0.0, "decoding": 0.0, "tokens": 0, "passes": 0, "drafted": 0, "by_category": {}}
+              for v in variants}
     for index, (category, prompt) in enumerate(prompts):
         ids = job.encode(prompt)
         for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
@@ -207,6 +238,7 @@ def main() -> None:
             seconds = time.perf_counter() - clock
             total = totals[variant]
             total["seconds"] += seconds
+            total["decoding"] += stats.wall_s  # (from the row's first step: its prompt's prefill left out)
             total["tokens"] += stats.new_tokens
             total["passes"] += stats.target_forwards
             total["drafted"] += stats.reached_at[0] if stats.reached_at else 0
@@ -215,8 +247,10 @@ def main() -> None:
             made[1] += seconds
         print(f"fuzzyspec: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     apply("default")
+    contexts = [job.encode(prompt).shape[1] for _, prompt in prompts]
     print(f"CPU: {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; {args.form} {args.mode}; "
-          f"{len(prompts)} everyday prompts x {COMMON['max_new_tokens']} tokens, greedy")
+          f"{len(prompts)} everyday prompts x {COMMON['max_new_tokens']} tokens, greedy; prompts of "
+          f"{min(contexts)}-{max(contexts)} tokens (median {sorted(contexts)[len(contexts) // 2]})")
     ar = totals["ar"]
 
     def speed(tokens: float, seconds: float) -> float:
@@ -226,7 +260,11 @@ def main() -> None:
         total = totals[variant]
         rate = speed(total["tokens"], total["seconds"])
         categories = {c: speed(*made) / speed(*ar["by_category"][c]) for c, made in total["by_category"].items()}
-        print(f"{variant:24s} {rate:7.1f} tok/s  x AR {rate / speed(ar['tokens'], ar['seconds']):.3f}  "
+        decoding = ""
+        if args.context:  # (a long prompt's prefill is much of each answer's time: the decoding apart)
+            alone = speed(total["tokens"], total["decoding"])
+            decoding = f"(decoding alone {alone:.1f} tok/s, x AR {alone / speed(ar['tokens'], ar['decoding']):.3f})  "
+        print(f"{variant:24s} {rate:7.1f} tok/s  x AR {rate / speed(ar['tokens'], ar['seconds']):.3f}  {decoding}"
               f"tok/pass {total['tokens'] / total['passes']:.2f}  steps drafting nothing "
               f"{1 - total['drafted'] / total['passes']:.2f}  categories {min(categories.values()):.3f}-"
               f"{max(categories.values()):.3f}  " + " ".join(f"{c} {r:.3f}" for c, r in categories.items()))

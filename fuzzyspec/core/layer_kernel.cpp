@@ -286,15 +286,20 @@ void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, floa
   at::parallel_for(0, BW, 8, [&](int64_t begin, int64_t end) {
     for (int64_t bw = begin; bw < end; ++bw) counts[bw] = allowed_positions(mp + bw * C, C, positions + bw * C);
   });
+  // Tasks in the order row, kv head, span, query: a row's queries see mostly the same positions, so one span's tasks
+  // follow one another and find its keys and values in the core's caches (6 queries after 2,000 positions: 1.06-1.10x
+  // against the order row, query, kv head, span).
   std::vector<Task> tasks;
   int64_t most = 1;  // spans of the query with the most
-  for (int64_t bw = 0; bw < BW; ++bw) {
-    const int64_t n = counts[bw], spans = spans_of(n);
-    most = std::max(most, spans);
+  for (int64_t bw = 0; bw < BW; ++bw) most = std::max(most, spans_of(counts[bw]));
+  for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < KVH; ++g)
-      for (int64_t i = 0; i < spans; ++i)  // span i: positions i n / spans .. (i + 1) n / spans (rounded down)
-        tasks.push_back({bw, g, i * n / spans, (i + 1) * n / spans - i * n / spans, i});
-  }
+      for (int64_t i = 0; i < most; ++i)
+        for (int64_t bw = b * W; bw < (b + 1) * W; ++bw) {
+          const int64_t n = counts[bw], spans = spans_of(n);
+          if (i < spans)  // span i: positions i n / spans .. (i + 1) n / spans (rounded down)
+            tasks.push_back({bw, g, i * n / spans, (i + 1) * n / spans - i * n / spans, i});
+        }
   // A span's partial result per query and head: its largest score, its sum of weights, its weighted sum of values.
   const int64_t stride = D + 2;
   float* partial = most > 1 ? room(held_partial, static_cast<size_t>(BW * H * most * stride)) : nullptr;
