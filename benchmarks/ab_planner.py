@@ -15,19 +15,21 @@ wrapper and size checks, as before ``step.CPU_INDUCTOR``) and ``unfused`` (eager
 embeddings through PyTorch's operations, as before their calls in ``layer_kernel.cpp``), ``nocopy`` (the EAGLE head
 alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``gammacopy`` (every copy as long as
 --gamma allows, as before ``cost.copy_length``), ``nopace`` (each size's cost its own running median, no machine
-pace, as before ``Profile.pace``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
+pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike after any context, as before
+``cost.context_band``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
 target's float16 cache, 2026-11-27); ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``,
 ``ar+unfused``, ``ar+f32cache``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
 
 With ``--context N`` each everyday prompt is asked as the last turn of a long chat: after whole exchanges of held-out
 ShareGPT conversations (ones no drafter trained on, ``data.is_held_out``) worth about N tokens, a different chat for
-each prompt: how the planner does where a step's attention reads a long cache.
+each prompt: how the planner does where a step's attention reads a long cache. With ``--mixed`` too, only every other
+prompt is (its category marked "+chat"): long and short contexts in turn, as a server meets them.
 
 Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps that drafted nothing, the ratio per
 prompt category, and each variant's profile at the end; and the CPU's instruction sets.
 
-Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24] [--context 0]
+Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24] [--context 0 [--mixed]]
            [--variants ar,meanfold+w2m95+p6+k15,default,chain1]
 """
 from __future__ import annotations
@@ -57,7 +59,7 @@ from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
 SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold",
-                                                  "PACE_SHARE", "PACE_CLAMP")}
+                                                  "PACE_SHARE", "PACE_CLAMP", "context_band")}
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
@@ -112,6 +114,8 @@ def apply(variant: str) -> dict:
             cost.PACE_SHARE, cost.PACE_CLAMP = 0.0, cost.STRIDE
         elif part == "chains":
             options["tree"] = False
+        elif part == "oneband":  # one row's passes priced alike after any context, as before 2026-11-27 (evening)
+            cost.context_band = lambda context: 0
         elif part == "meanfold":
             cost._fold = mean_fold
         elif part.startswith("w") and "m" in part:
@@ -126,24 +130,28 @@ def apply(variant: str) -> dict:
     return options
 
 
-def chats(prompts: list[tuple[str, str]], tokenizer, context: int) -> list[tuple[str, str | list[dict]]]:
-    """Each prompt as the last turn of a chat whose earlier turns are whole exchanges (a user message and its answer)
-    of held-out ShareGPT conversations, taken in file order, worth about ``context`` tokens; the prompts as they are
-    where ``context`` is 0."""
+def chats(prompts: list[tuple[str, str]], tokenizer, context: int, mixed: bool = False
+          ) -> list[tuple[str, str | list[dict]]]:
+    """Each prompt (every other one where ``mixed``, its category marked "+chat") as the last turn of a chat whose
+    earlier turns are whole exchanges (a user message and its answer) of held-out ShareGPT conversations, taken in
+    file order, worth about ``context`` tokens; the prompts as they are where ``context`` is 0."""
     if context <= 0:
         return prompts
     exchanges = ((first, second) for conversation in read_sharegpt() if is_held_out(conversation.id)
                  for first, second in zip(conversation.messages, conversation.messages[1:])
                  if first["role"] == "user" and second["role"] == "assistant")
-    made = []
-    for category, prompt in prompts:
+    made: list[tuple[str, str | list[dict]]] = []
+    for index, (category, prompt) in enumerate(prompts):
+        if mixed and index % 2:
+            made.append((category, prompt))
+            continue
         messages: list[dict] = []
         size = 0
         while size < context:
             first, second = next(exchanges)
             messages += [first, second]
             size += sum(len(tokenizer(message["content"])["input_ids"]) for message in (first, second))
-        made.append((category, messages + [{"role": "user", "content": prompt}]))
+        made.append((category + ("+chat" if mixed else ""), messages + [{"role": "user", "content": prompt}]))
     return made
 
 
@@ -155,6 +163,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", default="ar,meanfold+w2m95+p6+k15,default,chain1")
     parser.add_argument("--context", type=int, default=0, help="tokens of earlier chat turns before each prompt")
+    parser.add_argument("--mixed", action="store_true", help="with --context: only every other prompt in a chat")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
@@ -211,7 +220,7 @@ def main() -> None:
                                                 prepare=head_step(variant_head, embed).prepare
                                                 if "q4head" in parts else None),
                                   variant_step, None)
-    prompts = chats(everyday(args.prompts), pair.tokenizer, args.context)
+    prompts = chats(everyday(args.prompts), pair.tokenizer, args.context, args.mixed)
     # every cache capacity the prompts' steps run at (the engine's: 256 doubled to hold the prompt, then the answer)
     capacities = tuple(sorted(({256, 512} if not args.context else set()) | {max(256, 1 << (length - 1).bit_length()) for _, prompt in prompts
                                             for length in (job.encode(prompt).shape[1] + extra for extra in (1, 129))}))
@@ -244,7 +253,7 @@ def main() -> None:
             total["drafted"] += stats.reached_at[0] if stats.reached_at else 0
             made = total["by_category"].setdefault(category, [0, 0.0])
             made[0] += stats.new_tokens
-            made[1] += seconds
+            made[1] += stats.wall_s if args.context else seconds  # (with long prompts, the decoding alone)
         print(f"fuzzyspec: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     apply("default")
     contexts = [job.encode(prompt).shape[1] for _, prompt in prompts]
@@ -252,6 +261,8 @@ def main() -> None:
           f"{len(prompts)} everyday prompts x {COMMON['max_new_tokens']} tokens, greedy; prompts of "
           f"{min(contexts)}-{max(contexts)} tokens (median {sorted(contexts)[len(contexts) // 2]})")
     ar = totals["ar"]
+    if args.context:
+        print("categories: tok/s of the decoding alone (each answer's prefill left out)")
 
     def speed(tokens: float, seconds: float) -> float:
         return tokens / seconds if seconds else 0.0

@@ -15,6 +15,11 @@ by the profile's own measure. The breadth matters where a wide forward is dear: 
 5 tokens to verify, a chain of depth 1 two. The choice is a pure function of the profile and the rows'
 statistics.
 
+A one-row pass's cost T is kept per band of contexts (``context_band``): every query of a pass attends over the
+whole context, so a wide pass costs more beside a long one (2,000 positions into a chat, a 2-token pass of the
+embedded 4-bit target cost 1.53x a 1-token one, against 1.06x after 128). With one curve for all, a long chat's
+costs priced a short answer's drafts out, and a short answer's priced a long chat's in.
+
 The profile is measured by the engine as it runs and can be measured ahead (``fuzzyspec tune``). A draft's
 cost D is all that a step which drafts spends beyond its forward and beyond S: the proposal, and the judging,
 masks and bookkeeping a draft brings (the engine times whole steps: pricing the proposal alone left a 1-token
@@ -65,11 +70,19 @@ PACE_CLAMP = STRIDE / (1 - PACE_SHARE)
 TARGET = ""             # the target's key among the drafters' (whose keys name a drafter and shape)
 OUTSIDE = "+"           # the key of what steps spend outside the forward
 COPY = "copy"           # the drafter name copies' acceptance is kept under (``copy_length``)
+SHORT = 512             # contexts (positions) whose one-row passes are priced from ``Profile.target``
+
+
+def context_band(context: int) -> int:
+    """The band of contexts whose one-row passes share their costs: 0 for up to ``SHORT`` positions, else the power of
+    two at or above ``context`` (1,024, 2,048, ...), as the engine's cache doubles."""
+    return 0 if context <= SHORT else 1 << (context - 1).bit_length()
 
 
 @dataclass
 class Profile:
-    """Measured milliseconds: ``target[w]`` a forward of one row of w tokens, ``batches[r][w]`` one of r rows
+    """Measured milliseconds: ``target[w]`` a forward of one row of w tokens after at most ``SHORT`` positions,
+    ``longer[band][w]`` the same after a context in ``band`` (``context_band``), ``batches[r][w]`` one of r rows
     (2 or more) of w tokens each, ``outside[r]`` what a step of r rows that drafts nothing spends outside its
     forward, ``draft[key][g]`` what drafting size g adds to a step (``key`` names the drafter and its shape:
     chain, or tree and breadth). Rows are kept apart because r rows of w tokens need not cost what
@@ -103,17 +116,29 @@ class Profile:
     updates: int = 0  # measurements folded in since the profile was loaded
     trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
     pace: float = 1.0  # how slow the machine runs now, against the costs held (see above)
+    longer: dict[int, dict[int, float]] = field(default_factory=dict)  # band -> width -> ms, one row, past SHORT
 
-    def target_ms(self, width: int, rows: int = 1) -> float:
-        """A forward of ``rows`` rows of ``width`` tokens. A row count not yet measured is guessed at what one row
-        of rows x width tokens costs (until its own steps are measured). No width costs more than a wider one
-        measured: a pass over fewer tokens does no more work, so where one was measured dearer, it met noise
-        (a 2-token compiled step measured once at 7.2 ms beside a 4-token one's 6.4 priced 1-token chains
-        out, and only what the planner runs is measured again)."""
+    def target_ms(self, width: int, rows: int = 1, context: int = 0) -> float:
+        """A forward of ``rows`` rows of ``width`` tokens; one row's after ``context`` positions. A row count not yet
+        measured is guessed at what one row of rows x width tokens costs (until its own steps are measured). No
+        width costs more than a wider one measured: a pass over fewer tokens does no more work, so where one was
+        measured dearer, it met noise (a 2-token compiled step measured once at 7.2 ms beside a 4-token one's 6.4
+        priced 1-token chains out, and only what the planner runs is measured again)."""
         measured = self._settled(_batch_key(rows), self.batches.get(rows, {})) if rows > 1 else {}
         if not measured:
-            measured, width = self._settled(TARGET, self.target), width * rows
+            measured, width = self._one_row(context), width * rows
         return self.pace * min([_lookup(measured, width)] + [ms for wider, ms in measured.items() if wider > width])
+
+    def _one_row(self, context: int) -> dict[int, float]:
+        """The settled costs of one row's passes after ``context`` positions: its band's, else those of the nearest
+        shorter band that has any (optimism, as for an untried width: a pass beside a longer context costs no less,
+        so it is run, and measured), else the short contexts'."""
+        band = context_band(context)
+        for shorter in sorted((b for b in self.longer if b <= band), reverse=True):
+            settled = self._settled(_band_key(shorter), self.longer[shorter])
+            if settled:
+                return settled
+        return self._settled(TARGET, self.target)
 
     def draft_ms(self, key: str, size: int) -> float:
         return _lookup(self.draft_costs(key), size) if size else 0.0
@@ -140,8 +165,12 @@ class Profile:
     def observe_outside(self, rows: int, ms: float) -> None:
         self._observe(OUTSIDE, self.outside, rows, ms)
 
-    def observe_target(self, width: int, ms: float, rows: int = 1) -> None:
-        key, measured = (TARGET, self.target) if rows == 1 else (_batch_key(rows), self.batches.setdefault(rows, {}))
+    def observe_target(self, width: int, ms: float, rows: int = 1, context: int = 0) -> None:
+        """File a forward of ``rows`` rows of ``width`` tokens (one row's after ``context`` positions) that took
+        ``ms``."""
+        band = context_band(context) if rows == 1 else 0
+        key, measured = (_batch_key(rows), self.batches.setdefault(rows, {})) if rows > 1 else \
+            (_band_key(band), self.longer.setdefault(band, {})) if band else (TARGET, self.target)
         cost = measured.get(width)
         if not cost or (key, width) in self.trials or ms <= 0:
             self._observe(key, measured, width, ms)
@@ -194,6 +223,7 @@ class Profile:
                 "batches": {str(rows): settled(_batch_key(rows), sizes)
                             for rows, sizes in sorted(self.batches.items())},
                 "outside": settled(OUTSIDE, self.outside),
+                "longer": {str(band): settled(_band_key(band), sizes) for band, sizes in sorted(self.longer.items())},
                 "acceptance": {key: {"reached": {str(k): v for k, v in population.reached.items()},
                                      "passed": {str(k): v for k, v in population.passed.items()}}
                                for key, population in self.populations.items()}}
@@ -211,13 +241,19 @@ class Profile:
                        for key, value in data.get("acceptance", {}).items()}
         return cls(sizes(data.get("target", {})), {key: sizes(value) for key, value in data.get("draft", {}).items()},
                    {int(rows): sizes(value) for rows, value in data.get("batches", {}).items()},
-                   sizes(data.get("outside", {})), populations)
+                   sizes(data.get("outside", {})), populations,
+                   longer={int(band): sizes(value) for band, value in data.get("longer", {}).items()})
 
 
 def _batch_key(rows: int) -> str:
     """The key of a batch of ``rows`` rows' target costs among the tentative sizes' (drafters' keys name a
     drafter)."""
     return f"{TARGET}x{rows}"
+
+
+def _band_key(band: int) -> str:
+    """The key of one row's target costs in a band of longer contexts among the tentative sizes'."""
+    return f"{TARGET}@{band}"
 
 
 def _lookup(measured: dict[int, float], x: int) -> float:
@@ -368,12 +404,12 @@ def draft_key(drafter: str, breadth: int) -> str:
 
 def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
          shape: Callable[[int, int], tuple[int, int]] = lambda width, rows: (width, rows), others: int = 0,
-         rounds: int = 3) -> list[tuple[int, int]]:
+         rounds: int = 3, context: int = 0) -> list[tuple[int, int]]:
     """Every row's draft (depth, breadth) ((0, 1): none) maximising the step's expected tokens per millisecond
     (see the module docstring): each row in turn takes its best draft given the others', a few rounds over the
     rows; ties go to the smaller draft. ``shape(width, rows)``: the padded shape a step of that many tokens per
     row and rows runs at (every row is verified at the widest row's width); ``others``: rows of the step that
-    are not planned here."""
+    are not planned here; ``context``: the longest row's positions, which one row's passes are priced after."""
     rows = len(options) + others
     # Each shape's tokens, nodes and drafting cost are fixed for this step: worked out once per row, so the rounds
     # below are arithmetic (the planner runs every step; evaluating each candidate from scratch took 0.7 ms a step
@@ -387,7 +423,7 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
         if nodes not in forward:
             runs_at = shape(1 + nodes, rows)
             if runs_at not in padded:
-                padded[runs_at] = profile.target_ms(*runs_at)
+                padded[runs_at] = profile.target_ms(*runs_at, context=context)
             forward[nodes] = padded[runs_at]
         return forward[nodes]
 
@@ -413,20 +449,21 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
 
 
 def copy_length(acceptance: Acceptance, profile: Profile, cap: int,
-                shape: Callable[[int, int], tuple[int, int]] = lambda width, rows: (width, rows), rows: int = 1) -> int:
+                shape: Callable[[int, int], tuple[int, int]] = lambda width, rows: (width, rows), rows: int = 1,
+                context: int = 0) -> int:
     """How many tokens a draft copied from the text (``drafters.lookup.CopyFirst``) may hold, 1 .. ``cap``: the
     length g maximising E(g) / (T(shape(1 + g, rows)) + S(rows)), E from the copies' own acceptance (kept apart
     from the drafter's: a copy's tokens pass more often) and no drafting cost (a copy takes no model pass); ties
     go to the shorter. A copy is at least one token: where the text repeats itself, its first copied token passed
     67-72% of the time in decoding against the shipped head's ~50% (2026-11-26), so a copy is not weighed against
     the planned draft. Every row is assumed to run at that width (the others' drafts are not known yet when rows
-    copy: ``CopyFirst`` decides at proposal)."""
+    copy: ``CopyFirst`` decides at proposal); T is priced after ``context`` positions (the longest row's)."""
     if cap < 1:
         return 0
     expected, outside = acceptance.expected(cap), profile.outside_ms(rows)
 
     def rate(length: int) -> float:
-        ms = profile.target_ms(*shape(1 + length, rows)) + outside
+        ms = profile.target_ms(*shape(1 + length, rows), context=context) + outside
         return expected[length] / ms if ms > 0 else math.inf
 
     return max(range(1, cap + 1), key=lambda length: (rate(length), -length))

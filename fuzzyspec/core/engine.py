@@ -378,7 +378,8 @@ class Engine:
                                      attention_mask(starts, chain_tree(rows, 1, self.device), self.cache.capacity),
                                      None, 0, self._feature_layers([row.drafter for _, row in readers]), compiled=True)
         if not self.step_fn.compiling:
-            self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms))
+            context = max(self.cache.lengths[:rows])
+            self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms, context))
         members = dict(rows_now)
         picked = self._pick([members.get(b) for b in range(rows)], logits[:, 0, : self.vocab_size])
         for b, row in readers:
@@ -440,10 +441,11 @@ class Engine:
         if not planned:
             return
         options = [Option.of(row.drafter.name, row.config, max(row.remaining - 1, 0)) for _, row in planned]
+        context = max(row.sequence.shape[1] for row in self.slots if row is not None)  # (what a pass attends over)
         drafts = plan(options, [row.acceptance for _, row in planned], self.step_fn.profile, self.step_fn.shape,
-                      len(self.slots) - len(planned))
+                      len(self.slots) - len(planned), context=context)
         copies = [copy_length(row.copies, self.step_fn.profile, min(row.config.gamma, row.remaining - 1),
-                              self.step_fn.shape, len(self.slots)) if row.drafter.copies else None
+                              self.step_fn.shape, len(self.slots), context) if row.drafter.copies else None
                   for _, row in planned]
         if self.shards > 1:  # each rank timed its own steps: rank 0's plan is everyone's
             drafts, copies = agree((drafts, copies))
@@ -455,9 +457,9 @@ class Engine:
         layers = {layer for drafter in readers for layer in drafter.feature_layers or [-1]}
         return tuple(sorted(layer % (self.step_fn.layer_count + 1) for layer in layers))
 
-    def _forward_took(self, width: int, rows: int, ms: float) -> None:
+    def _forward_took(self, width: int, rows: int, ms: float, context: int) -> None:
         self._forward_ms = ms
-        self.step_fn.profile.observe_target(width, ms, rows)
+        self.step_fn.profile.observe_target(width, ms, rows, context)
 
     def _verify(self, drafts: dict[int, Draft | None]) -> None:
         """Score the newest token and the drafts of the rows in ``drafts`` in one target pass, and judge them.
@@ -491,7 +493,8 @@ class Engine:
                                      write_positions(starts, width), mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
         if not self.step_fn.compiling:  # a compilation's seconds would price this width out for good
-            self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms))
+            context = max(starts_list)
+            self.timer.stop(mark, lambda ms: self._forward_took(width, rows, ms, context))
         pending = self._next_tokens([b for b in drafts if sizes[b] == 0], logits)
         for b, draft in drafts.items():
             if b not in pending:

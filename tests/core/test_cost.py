@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.cost import (MEMORY, OUTSIDE, POPULATION_MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TARGET, TRIALS,
-                                  Acceptance, Option, Profile, copy_length, plan, population_key)
+                                  Acceptance, Option, Profile, context_band, copy_length, plan, population_key)
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
@@ -252,6 +252,37 @@ def test_a_batchs_costs_are_kept_apart_from_one_rows():
     assert profile.target_ms(2, rows=4) == 14.0  # an untried width of a measured row count: its narrower one's
     saved = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert saved.batches == {4: {1: 14.0}} and saved.target == {1: 6.0, 4: 7.5}
+
+
+def test_a_long_contexts_passes_are_priced_apart_from_a_short_ones():
+    """Every query of a pass attends over the whole context, so a wide pass costs more beside a long one: one row's
+    costs are kept per band of contexts, each measured from its own passes, a band not yet measured priced as the
+    nearest shorter one (so its drafts are tried, and measured), and kept through a save. The same row then drafts
+    after 100 positions and not after 2,000."""
+    profile = Profile(target={1: 6.0, 2: 6.3}, draft={"d:chain": {1: 1.5}}, outside={1: 0.5})
+    options, acceptance = [Option("d", 1)], accepting(0.6)
+    assert context_band(100) == context_band(512) == 0 and context_band(1900) == context_band(2048) == 2048
+    assert plan(options, [acceptance], profile, context=100) == [(1, 1)]
+    assert plan(options, [acceptance], profile, context=2000) == [(1, 1)]  # untried: the short contexts' costs
+    for _ in range(TRIALS):
+        for width, ms in ((1, 9.0), (2, 14.0), (3, 19.0), (4, 24.0)):
+            profile.observe_target(width, ms, context=1900 + width)
+    assert profile.target_ms(2, context=2000) == 14.0 and profile.target_ms(2, context=100) == 6.3
+    assert profile.target_ms(2, context=3000) == 14.0  # a longer band, untried: the nearest shorter one's
+    assert plan(options, [acceptance], profile, context=2000) == [(0, 1)]
+    assert plan(options, [acceptance], profile, context=100) == [(1, 1)]
+    assert copy_length(acceptance, profile, 3, context=2000) == 1 and copy_length(acceptance, profile, 3) == 3
+    saved = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert saved.longer == {2048: {1: 9.0, 2: 14.0, 3: 19.0, 4: 24.0}} and saved.target == {1: 6.0, 2: 6.3}
+
+
+def test_the_engine_files_a_long_contexts_passes_in_its_band():
+    model = tiny_llama(seed=5)
+    step = TargetStep(model)
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=8, gamma_schedule="cost")
+    prompt = torch.randint(0, V, (1, 600), generator=torch.Generator().manual_seed(0))
+    decode(step, ModelDrafter(tiny_llama(seed=6), V), prompt, config, V)
+    assert set(step.profile.longer) == {1024} and 1 in step.profile.longer[1024] and not step.profile.target
 
 
 def test_prepare_compiles_every_shape_the_schedule_may_pick():
