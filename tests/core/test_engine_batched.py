@@ -187,7 +187,7 @@ def test_rows_the_schedule_holds_back_run_ahead_and_keep_their_features(target, 
     computes them, and every row gets greedy AR's tokens."""
     step = compiled if mode == "compiled" else target
     sizes = iter([0, 0, 2, 0, 1, 0, 0, 3] * 10)  # the schedule's draft size at each plan, for every row
-    monkeypatch.setattr(engine_module, "plan", lambda options, *_: [(next(sizes), 1)] * len(options))
+    monkeypatch.setattr(engine_module, "plan", lambda options, *_, **__: [(next(sizes), 1)] * len(options))
     monkeypatch.setattr(engine_module, "PLAN_EVERY", 2)
     ahead, seen = [], []  # steps run ahead; (sequence, the drafter's features) at each proposal
     run_ahead, propose = Engine._step_ahead, EagleDrafter.propose
