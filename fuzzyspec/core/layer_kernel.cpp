@@ -11,7 +11,8 @@
 //
 // Each number is made by a fixed sequence of operations on what the query sees: a score's dot product by the same
 // lanes and tree of additions whichever group of keys and heads scored together it is in (a last group is filled
-// with zero keys), the sums in the order of i, the spans' in the order of j, and the spans a function of n alone. So
+// with zero keys), the sums in the order of i (l_j's in 8 lanes, i mod 8, then a fixed tree), the spans' in the
+// order of j, and the spans a function of n alone. So
 // a query's result depends only on the sequence of keys and values it sees, not on where they lie in the cache, how
 // many other queries, heads or rows the pass holds, or how threads split them. Vectors are 8 floats (AVX2 and FMA),
 // with independent chains of multiply-adds where the order allows, and -ffp-contract=off (kernels.py), so the
@@ -93,6 +94,21 @@ inline __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// w[0] + ... + w[n - 1]: lane l sums the w[i] with i = l mod 8 in the order of i, then the lanes by sums8's tree (a
+// chain of one addition a weight waited 3 cycles on each).
+inline float lane_sum(const float* w, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(w + i));
+  if (i < n) {
+    float last[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(last, w + i, (n - i) * sizeof(float));
+    acc = _mm256_add_ps(acc, _mm256_loadu_ps(last));
+  }
+  const __m256 zero = _mm256_setzero_ps();
+  return _mm256_cvtss_f32(sums8(acc, zero, zero, zero, zero, zero, zero, zero));
 }
 
 constexpr int64_t AHEAD = 8;  // positions a span's first heads prefetch ahead
@@ -205,8 +221,7 @@ void attend_span(const float* q, int64_t D, const T* const* seen, const T* const
     for (; i < n; ++i) top = w[i] > top ? w[i] : top;
     const __m256 shift = _mm256_set1_ps(top);  // (the last 8 lanes may run past n: never summed)
     for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(w + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + i), shift)));
-    float total = 0.0f;
-    for (int64_t i = 0; i < n; ++i) total += w[i];
+    const float total = lane_sum(w, n);
     divisor[h] = whole ? total : 1.0f;  // (undivided: dividing by 1 is exact)
     if (!whole) {
       out[h * ostride - 2] = top;
