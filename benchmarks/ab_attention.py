@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_int4_kernel import before_and_after, interleaved  # noqa: E402 (this folder's module)
+from ab_cache_dtype import after_context, prefilled  # noqa: E402 (this folder's modules)
+from ab_int4_kernel import before_and_after, interleaved  # noqa: E402
 
 from fuzzyspec.api import ModelPair  # noqa: E402
 
 from fuzzyspec.core import kernels  # noqa: E402
-from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions  # noqa: E402
+from fuzzyspec.core.kvcache import attention_mask, chain_tree  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
@@ -51,7 +52,8 @@ def same_numbers(before, after, generator: torch.Generator) -> bool:
             mask[..., 0] = True
             old, new = before.attend(q, k, v, mask, 0.3), after.attend(q, k, v, mask, 0.3)
             if not torch.allclose(old, new, rtol=1e-4, atol=1e-5):
-                raise SystemExit(f"ab_attention: the builds differ at {(rows, queries, heads, kv_heads, dim, positions)}")
+                shape = (rows, queries, heads, kv_heads, dim, positions)
+                raise SystemExit(f"ab_attention: the builds differ at {shape}")
             same = same and torch.equal(old, new)
     return same
 
@@ -100,16 +102,11 @@ def time_steps(ops: dict, contexts: list[int], generator: torch.Generator) -> No
         for context in contexts:
             capacity = max(256, 1 << (context + 6).bit_length())  # as the engine doubles its cache
             tokens = torch.randint(0, model.config.vocab_size, (1, context + 6), generator=generator)
-            start, zero = torch.tensor([context]), torch.zeros(1, dtype=torch.long)
-            cache = StaticCache.for_model(model.config, 1, capacity, step.cache_dtype, "cpu")
             with torch.inference_mode():
-                positions = write_positions(zero, context)
-                step(cache, tokens[:, :context], positions, positions,
-                     attention_mask(zero, chain_tree(1, context, "cpu"), capacity), None, 1)
+                cache = prefilled(step, tokens, context, capacity)
                 line = f"  context {context:5d}:"
-                for width in (1, 6):  # the width's tokens written after the context, again and again
-                    feed, positions = tokens[:, context: context + width], write_positions(start, width)
-                    mask = attention_mask(start, chain_tree(1, width, "cpu"), capacity)
+                for width in (1, 6):
+                    feed, positions, mask = after_context(tokens, context, width, capacity)
 
                     def run(tag: str) -> None:
                         torch.ops.fuzzyspec_attention = ops[tag]

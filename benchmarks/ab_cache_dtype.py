@@ -26,6 +26,26 @@ from fuzzyspec.loading import cpu_isa  # noqa: E402
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
+def prefilled(step: TargetStep, tokens: torch.Tensor, context: int, capacity: int) -> StaticCache:
+    """A one-row cache of ``capacity`` positions in the step's cache dtype, holding the first ``context`` of
+    ``tokens`` [1, n] (a prefill runs eagerly)."""
+    cache = StaticCache.for_model(step.model.config, 1, capacity, step.cache_dtype, "cpu")
+    zero = torch.zeros(1, dtype=torch.long)
+    positions = write_positions(zero, context)
+    step(cache, tokens[:, :context], positions, positions,
+         attention_mask(zero, chain_tree(1, context, "cpu"), capacity), None, 1)
+    cache.lengths = [context]
+    return cache
+
+
+def after_context(tokens: torch.Tensor, context: int, width: int, capacity: int) -> tuple[torch.Tensor, ...]:
+    """The tokens, positions and mask of a step of ``width`` of ``tokens`` written after ``context`` positions (again
+    and again: each run writes the same positions)."""
+    start = torch.tensor([context])
+    return (tokens[:, context: context + width], write_positions(start, width),
+            attention_mask(start, chain_tree(1, width, "cpu"), capacity))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="eager,compiled")
@@ -50,19 +70,11 @@ def main() -> None:
         for context in contexts:
             capacity = max(256, 1 << (context + max(widths)).bit_length())  # as the engine doubles its cache
             tokens = torch.randint(0, model.config.vocab_size, (1, context + max(widths)), generator=generator)
-            start, zero = torch.tensor([context]), torch.zeros(1, dtype=torch.long)
-            caches = {}
             with torch.inference_mode():
-                for name, step in steps.items():  # the same context in each cache (a prefill runs eagerly)
-                    cache = caches[name] = StaticCache.for_model(model.config, 1, capacity, step.cache_dtype, "cpu")
-                    positions = write_positions(zero, context)
-                    step(cache, tokens[:, :context], positions, positions,
-                         attention_mask(zero, chain_tree(1, context, "cpu"), capacity), None, 1)
-                    cache.lengths = [context]
+                caches = {name: prefilled(step, tokens, context, capacity) for name, step in steps.items()}
                 line = f"  {mode:8s} context {context:5d}:"
-                for width in widths:  # the width's tokens written after the context, again and again
-                    feed, positions = tokens[:, context: context + width], write_positions(start, width)
-                    mask = attention_mask(start, chain_tree(1, width, "cpu"), capacity)
+                for width in widths:
+                    feed, positions, mask = after_context(tokens, context, width, capacity)
 
                     def run(name: str) -> None:
                         steps[name](caches[name], feed, positions, positions, mask, None, 0, (),

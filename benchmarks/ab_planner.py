@@ -64,7 +64,7 @@ POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
-OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache"}  # variant parts that build a job of their own (main)
+OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache"}  # parts that build a job of their own
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -221,9 +221,11 @@ def main() -> None:
                                                 if "q4head" in parts else None),
                                   variant_step, None)
     prompts = chats(everyday(args.prompts), pair.tokenizer, args.context, args.mixed)
+    encoded = [job.encode(prompt) for _, prompt in prompts]  # (a long chat's template takes a while: once)
     # every cache capacity the prompts' steps run at (the engine's: 256 doubled to hold the prompt, then the answer)
-    capacities = tuple(sorted(({256, 512} if not args.context else set()) | {max(256, 1 << (length - 1).bit_length()) for _, prompt in prompts
-                                            for length in (job.encode(prompt).shape[1] + extra for extra in (1, 129))}))
+    lengths = {ids.shape[1] + extra for ids in encoded for extra in (1, 1 + COMMON["max_new_tokens"])}
+    capacities = tuple(sorted(({256, 512} if not args.context else set()) |
+                              {max(256, 1 << (length - 1).bit_length()) for length in lengths}))
     if step.compile:
         tuning.prepare(job, job.config(**COMMON), capacities)
         for variant in variants:  # a variant's own head or step compiles its own graphs, ahead as the shipped ones are
@@ -235,11 +237,10 @@ def main() -> None:
     profiles = {variant: Profile.from_dict(start) for variant in variants}
     for variant in variants:  # warm: each variant's first steps measure its profile's new sizes
         options, jobs[variant].step.profile = apply(variant), profiles[variant]
-        jobs[variant].generate(job.encode(prompts[0][1]), **(COMMON | options))
+        jobs[variant].generate(encoded[0], **(COMMON | options))
     totals = {v: {"seconds": 0.0, "decoding": 0.0, "tokens": 0, "passes": 0, "drafted": 0, "by_category": {}}
               for v in variants}
-    for index, (category, prompt) in enumerate(prompts):
-        ids = job.encode(prompt)
+    for index, ((category, _), ids) in enumerate(zip(prompts, encoded)):
         for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
             options, jobs[variant].step.profile = apply(variant), profiles[variant]
             clock = time.perf_counter()
@@ -256,7 +257,7 @@ def main() -> None:
             made[1] += stats.wall_s if args.context else seconds  # (with long prompts, the decoding alone)
         print(f"fuzzyspec: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     apply("default")
-    contexts = [job.encode(prompt).shape[1] for _, prompt in prompts]
+    contexts = [ids.shape[1] for ids in encoded]
     print(f"CPU: {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; {args.form} {args.mode}; "
           f"{len(prompts)} everyday prompts x {COMMON['max_new_tokens']} tokens, greedy; prompts of "
           f"{min(contexts)}-{max(contexts)} tokens (median {sorted(contexts)[len(contexts) // 2]})")

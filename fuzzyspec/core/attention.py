@@ -9,9 +9,9 @@ greedy ``sd`` left AR's text on 11 of 13 prompts (12 of them everyday ones).
 
 ``attend`` (``layer_kernel.cpp``) visits, for each query and head, the cached positions its mask allows in
 increasing order: scores s_i = scale q.k_i, m = max s_i, p_i = exp(s_i - m), out = sum p_i v_i / sum p_i, each
-sum in that order (past 128 positions, in spans of equal size that a query's count of positions alone decides, whose
-sums are combined in their order: threads share a long context's work that way). A drafted node's allowed positions are the row's cache, then its ancestors and itself at
-increasing write positions: the keys and values, in the order, that AR sees for the same token once that path
+sum in a fixed order (past 128 positions, in spans of equal size that a query's count of positions alone decides,
+whose sums are combined in their order: threads share a long context's work that way). A drafted node's allowed
+positions are the row's cache, then its ancestors and itself at increasing write positions: the keys and values, in the order, that AR sees for the same token once that path
 is accepted. So the node gets AR's numbers bit for bit, in a chain or a tree. With the int4 kernel (which is
 also batch-invariant), an int4 target's verification then gives every token exactly a one-token step's
 logits, and greedy ``sd`` reproduces its AR text on every prompt tried (13 of 13).

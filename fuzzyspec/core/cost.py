@@ -168,9 +168,13 @@ class Profile:
     def observe_target(self, width: int, ms: float, rows: int = 1, context: int = 0) -> None:
         """File a forward of ``rows`` rows of ``width`` tokens (one row's after ``context`` positions) that took
         ``ms``."""
-        band = context_band(context) if rows == 1 else 0
-        key, measured = (_batch_key(rows), self.batches.setdefault(rows, {})) if rows > 1 else \
-            (_band_key(band), self.longer.setdefault(band, {})) if band else (TARGET, self.target)
+        band = context_band(context)
+        if rows > 1:
+            key, measured = _batch_key(rows), self.batches.setdefault(rows, {})
+        elif band:
+            key, measured = _band_key(band), self.longer.setdefault(band, {})
+        else:
+            key, measured = TARGET, self.target
         cost = measured.get(width)
         if not cost or (key, width) in self.trials or ms <= 0:
             self._observe(key, measured, width, ms)
