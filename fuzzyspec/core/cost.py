@@ -120,25 +120,33 @@ class Profile:
 
     def target_ms(self, width: int, rows: int = 1, context: int = 0) -> float:
         """A forward of ``rows`` rows of ``width`` tokens; one row's after ``context`` positions. A row count not yet
-        measured is guessed at what one row of rows x width tokens costs (until its own steps are measured). No
+        measured, or a width narrower than every one measured for it, is guessed at what one row of rows x width
+        tokens costs (until its own steps are measured). No
         width costs more than a wider one measured: a pass over fewer tokens does no more work, so where one was
         measured dearer, it met noise (a 2-token compiled step measured once at 7.2 ms beside a 4-token one's 6.4
         priced 1-token chains out, and only what the planner runs is measured again)."""
         measured = self._settled(_batch_key(rows), self.batches.get(rows, {})) if rows > 1 else {}
-        if not measured:
+        if not measured or width < min(measured):  # (a narrower width as well: see ``_one_row`` for why)
             measured, width = self._one_row(context), width * rows
         return self.pace * min([_lookup(measured, width)] + [ms for wider, ms in measured.items() if wider > width])
 
     def _one_row(self, context: int) -> dict[int, float]:
-        """The settled costs of one row's passes after ``context`` positions: its band's, else those of the nearest
-        shorter band that has any (optimism, as for an untried width: a pass beside a longer context costs no less,
-        so it is run, and measured), else the short contexts'."""
+        """The settled costs of one row's passes after ``context`` positions: its band's, and for widths narrower
+        than every one its band has settled, the nearest shorter band's that has them, else the short contexts'
+        (optimism, as for an untried width: a pass beside a shorter context costs no more, so a width priced that way
+        is run, and measured). A band no pass has settled yet is thus priced as the nearest shorter one.
+
+        Why the narrower widths: priced at the band's narrowest settled width (``_lookup``'s rule for a size below
+        every measured one), a band whose first passes verified drafts priced a 1-token pass as dear as a 4-token
+        one, so its rows drafted at every step, and a 1-token pass there was never run, so never measured: after
+        ~2,300 positions of chat the default job decoded at 0.57-0.86x AR, drafting at every step."""
         band = context_band(context)
-        for shorter in sorted((b for b in self.longer if b <= band), reverse=True):
+        costs = self._settled(TARGET, self.target)
+        for shorter in sorted(b for b in self.longer if b <= band):
             settled = self._settled(_band_key(shorter), self.longer[shorter])
             if settled:
-                return settled
-        return self._settled(TARGET, self.target)
+                costs = {width: ms for width, ms in costs.items() if width < min(settled)} | settled
+        return costs
 
     def draft_ms(self, key: str, size: int) -> float:
         return _lookup(self.draft_costs(key), size) if size else 0.0

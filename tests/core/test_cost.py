@@ -243,7 +243,8 @@ def test_no_width_is_priced_above_a_wider_one():
 
 def test_a_batchs_costs_are_kept_apart_from_one_rows():
     """Four rows of one token need not cost what one row of four does: each row count has its own curve, kept
-    through a save, and a row count not yet measured is guessed from the one-row curve."""
+    through a save, and a row count not yet measured, or a width narrower than its measured ones, is guessed from
+    the one-row curve."""
     profile = Profile(target={1: 6.0, 4: 7.5})
     assert profile.target_ms(1, rows=4) == 7.5  # not measured yet: one row of 4 tokens
     for _ in range(TRIALS):
@@ -252,6 +253,11 @@ def test_a_batchs_costs_are_kept_apart_from_one_rows():
     assert profile.target_ms(2, rows=4) == 14.0  # an untried width of a measured row count: its narrower one's
     saved = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert saved.batches == {4: {1: 14.0}} and saved.target == {1: 6.0, 4: 7.5}
+    # two rows whose first passes verified drafts: their AR pass is guessed from the one-row curve, not priced
+    # as their narrowest measured pass (it would never run, so never be measured)
+    for _ in range(TRIALS):
+        profile.observe_target(4, 12.0, rows=2)
+    assert profile.target_ms(4, rows=2) == 12.0 and profile.target_ms(1, rows=2) == 6.0 + 1.5 / 3
 
 
 def test_a_long_contexts_passes_are_priced_apart_from_a_short_ones():
@@ -274,6 +280,29 @@ def test_a_long_contexts_passes_are_priced_apart_from_a_short_ones():
     assert copy_length(acceptance, profile, 3, context=2000) == 1 and copy_length(acceptance, profile, 3) == 3
     saved = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert saved.longer == {2048: {1: 9.0, 2: 14.0, 3: 19.0, 4: 24.0}} and saved.target == {1: 6.0, 2: 6.3}
+
+
+def test_a_band_prices_its_unmeasured_narrower_widths_from_a_shorter_band():
+    """A long band whose first passes verified drafts (compiled: a 2-token pass runs at width 4) must not price a
+    1-token pass as dear as its narrowest measured one: then the row drafts at every step and AR is never run there,
+    so never measured (a chat 2,300 positions long decoded at 0.8x AR that way). The narrower width takes the
+    shorter band's cost (a pass beside a shorter context costs no more), so AR is tried, and once measured, kept
+    where drafts do not pay."""
+    profile = Profile(target={1: 7.8, 4: 8.8, 17: 21.8}, draft={"d:chain": {1: 2.0}}, outside={1: 0.9})
+    options, acceptance = [Option("d", 1)], accepting(0.45)
+    def four_wide(width, rows):
+        return (1 if width == 1 else 4), rows
+    for _ in range(TRIALS):
+        profile.observe_target(4, 18.0, context=2400)
+    assert profile.target_ms(4, context=2400) == 18.0 and profile.target_ms(1, context=2400) == 7.8
+    assert plan(options, [acceptance], profile, four_wide, context=2400) == [(0, 1)]  # AR is tried
+    for _ in range(TRIALS):
+        profile.observe_target(1, 10.5, context=2400)
+    assert profile.target_ms(1, context=2400) == 10.5 and profile.target_ms(2, context=2400) == 13.0
+    assert plan(options, [acceptance], profile, four_wide, context=2400) == [(0, 1)]
+    assert plan(options, [acceptance], profile, four_wide, context=100) == [(1, 1)]
+    # a band further on, untried: every width as the nearest shorter band's, the narrower ones as before it
+    assert profile.target_ms(1, context=5000) == 10.5 and profile.target_ms(4, context=5000) == 18.0
 
 
 def test_the_engine_files_a_long_contexts_passes_in_its_band():
