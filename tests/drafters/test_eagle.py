@@ -7,6 +7,7 @@ from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.kvcache import DraftCache, crop_to
+from fuzzyspec.drafters import eagle
 from fuzzyspec.drafters.eagle import EagleDrafter
 from fuzzyspec.drafters.eagle_head import EagleHead, load_head
 from fuzzyspec.core.sampling import Sampling
@@ -109,6 +110,35 @@ def test_drafts_match_a_recomputation_from_true_features(model, head, method, te
     if method == "sd" and temperature == 0:
         assert tokens[0].tolist() == model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=30,
                                                     do_sample=False)[0, 4:].tolist()
+
+
+def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model, head, monkeypatch):
+    """Past ``WINDOW`` positions (what the head trained on) the head reads the text's last ones alone: its first draft
+    at every step is what it computes over the true features of the text from its offset on, its cache never holds
+    more of the text than the window, and greedy decoding is still the target's."""
+    monkeypatch.setattr(eagle, "WINDOW", 12)
+    drafter = EagleDrafter(head, model, V)
+    original = drafter.propose
+    offsets = []
+
+    def checking(sequence, budget, sampling, generator):
+        draft = original(sequence, dataclasses.replace(budget, distributions=True), sampling, generator)
+        start = drafter.offset
+        f = features_of(model, sequence[:, :-1])[:, start:]
+        with torch.no_grad():
+            e = model.get_input_embeddings()(sequence[:, start + 1:])
+            expected = model.get_output_embeddings()(head(e, f)[:, -1])
+        assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
+        assert drafter.true_positions - start <= 12  # (the cache holds them, then this draft's predictions)
+        offsets.append(start)
+        return draft
+
+    drafter.propose = checking
+    prompt = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(4))
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=30)
+    tokens, _ = decode(model, drafter, prompt, config, V)
+    assert offsets[0] == 20 - 1 - 6 and len(set(offsets)) > 2  # the prompt's end, then later ends
+    assert tokens[0].tolist() == model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 20:].tolist()
 
 
 def tree_run(model, head, prompt, **options):
