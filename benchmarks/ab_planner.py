@@ -17,7 +17,7 @@ alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``
 --gamma allows, as before ``cost.copy_length``), ``nopace`` (each size's cost its own running median, no machine
 pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike after any context, as before
 ``cost.context_band``), ``nowindow`` (the EAGLE head reading the whole text, however long, as before
-``drafters.eagle.WINDOW``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
+``drafters.eagle.trained_length``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
 target's float16 cache, 2026-11-27); ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``,
 ``ar+unfused``, ``ar+f32cache``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
@@ -53,7 +53,6 @@ from fuzzyspec.core import cost, engine, int4, step as step_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.data import is_held_out, read_sharegpt  # noqa: E402
-from fuzzyspec.drafters import eagle  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
 from fuzzyspec.drafters.lookup import CopyFirst  # noqa: E402
 from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa: E402
@@ -66,7 +65,7 @@ POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
-SHIPPED_WINDOW = eagle.WINDOW
+HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache"}  # parts that build a job of their own
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
@@ -96,7 +95,8 @@ def apply(variant: str) -> dict:
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
     step_module._fused = SHIPPED_FUSED
     engine.copy_length = SHIPPED_COPY_LENGTH
-    eagle.WINDOW = SHIPPED_WINDOW
+    for head in HEADS:
+        head.window = head.shipped_window
     options = {}
     for part in variant.split("+"):
         if part == "ar":
@@ -118,8 +118,9 @@ def apply(variant: str) -> dict:
             cost.PACE_SHARE, cost.PACE_CLAMP = 0.0, cost.STRIDE
         elif part == "chains":
             options["tree"] = False
-        elif part == "nowindow":  # the head reads the whole text, as before eagle.WINDOW (2026-11-27)
-            eagle.WINDOW = 1 << 62
+        elif part == "nowindow":  # the head reads the whole text, as before its window (2026-11-27)
+            for head in HEADS:
+                head.window = None
         elif part == "oneband":  # one row's passes priced alike after any context, as before 2026-11-27 (evening)
             cost.context_band = lambda context: 0
         elif part == "meanfold":
@@ -181,6 +182,8 @@ def main() -> None:
     job = ModelPair(pair.target, pair.tokenizer, source, step, None)
     jobs = {variant: job for variant in variants}
     head, embed = source.module, pair.target.get_input_embeddings()
+    head.shipped_window = head.window
+    HEADS.append(head)
     lm_head = pair.target.get_output_embeddings()
     python_wrapper = float_cache = None
     for variant in variants:
@@ -204,6 +207,8 @@ def main() -> None:
                 float_cache.cache_dtype = torch.float32
             variant_step = float_cache
         variant_head = four_bit(head) if "q4head" in parts else head
+        if variant_head is not head:
+            HEADS.append(variant_head)
         logits = head_logits(variant_head, pair.target)
         if "q8rows" in parts:
             # the default job, its drafter reading its LM head rows at 8 bits, as before 2026-11-26 (4 bits since)

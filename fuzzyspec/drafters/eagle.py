@@ -2,6 +2,7 @@
 target's features."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Callable
@@ -15,22 +16,32 @@ from ..core.host import upload
 from ..core.kvcache import crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import reduced_lm_head
-from ..train.config import TrainConfig
 from .chain import common_prefix, draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from .eagle_head import EagleHead, load_head
 from .head_step import head_step
 
 Head = EagleHead | Eagle3Head
-# Positions of the text the head reads at most: what our training cuts its sequences to. Past them it reads the text's
-# end alone (``_root``): after ~2,000 positions of chat the shipped head, trained on 512, drafted worse than from the
-# last 256-512 alone (EAGLE chains of 4, greedy: 2.13 tokens a pass against 2.65), and cost more to run.
-WINDOW = TrainConfig.max_tokens
 
 
 def load_any_head(folder: str | Path, target: PreTrainedModel) -> Head:
-    """An EAGLE-3 head or an EAGLE-1/2 head, whichever layout ``folder`` holds."""
-    return load_eagle3(folder, target) if is_eagle3(folder) else load_head(folder, target)
+    """An EAGLE-3 head or an EAGLE-1/2 head, whichever layout ``folder`` holds, its ``window`` set
+    (``trained_length``)."""
+    head = load_eagle3(folder, target) if is_eagle3(folder) else load_head(folder, target)
+    head.window = trained_length(folder)
+    return head
+
+
+def trained_length(folder: str | Path) -> int | None:
+    """The positions our trainer cut a head's sequences to (its ``metrics.json``), which its drafter reads at most
+    (``EagleDrafter._root``); None for a head trained elsewhere. After ~2,000 positions of chat the shipped head,
+    trained on 512, drafted better from the text's last 256-512 positions alone (greedy EAGLE chains of 4: 2.65
+    tokens a pass against 2.13), as well as cheaper."""
+    path = Path(folder) / "metrics.json"
+    try:
+        return int(json.loads(path.read_text())["config"]["max_tokens"]) if path.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def head_logits(head: Head, target: PreTrainedModel) -> Callable[[Tensor], Tensor]:
@@ -120,17 +131,18 @@ class EagleDrafter(BaseDrafter):
 
     def _root(self, sequence: Tensor) -> Tensor:
         """Bring the head's cache up to date with the true features; return the predicted feature
-        ([1, 1, H]) of the newest token, whose logits give the first draft. Where the text outgrows ``WINDOW``
-        positions, the head reads its last ``WINDOW // 2`` alone, as if the text began there (its rotary embedding
-        sees only distances), and again each time they grow to ``WINDOW``: a pass over half a window every half
-        window's tokens."""
+        ([1, 1, H]) of the newest token, whose logits give the first draft. Where the text outgrows the head's
+        ``window`` (the positions it trained on, ``trained_length``), the head reads its last half window alone, as if
+        the text began there (its rotary embedding sees only distances), and again each time they grow to a whole
+        one: a pass over half a window every half window's tokens."""
         # Head position j reads token offset + j + 1 and feature offset + j: F positions, with offset + F <= len - 1.
         count = min(self.known, sequence.shape[1] - 1)
         if self.tokens is not None:
             self.true_positions = min(self.true_positions, common_prefix(self.tokens, sequence) - 1)
         kept = max(0, min(self.true_positions, count - 1))  # always feed at least one position
-        if count - self.offset > WINDOW or kept < self.offset:  # past what it trained on: it reads the text's end
-            self.offset = kept = max(0, count - WINDOW // 2)  # (the cache's positions start there now: all anew)
+        window = getattr(self.head, "window", None) or math.inf
+        if count - self.offset > window or kept < self.offset:  # past what it trained on: it reads the text's end
+            self.offset = kept = max(0, count - int(window) // 2)  # (the cache's positions start there now: anew)
         crop_to(self.cache, kept - self.offset)
         hidden = self.step(self.cache, sequence[:, kept + 1: count + 1], self.features[:, kept:count],
                            compiled=self.compiled)[:, -1:]

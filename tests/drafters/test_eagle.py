@@ -7,8 +7,7 @@ from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.kvcache import DraftCache, crop_to
-from fuzzyspec.drafters import eagle
-from fuzzyspec.drafters.eagle import EagleDrafter
+from fuzzyspec.drafters.eagle import EagleDrafter, load_any_head
 from fuzzyspec.drafters.eagle_head import EagleHead, load_head
 from fuzzyspec.core.sampling import Sampling
 
@@ -74,6 +73,9 @@ def test_release_layout_round_trip(model, head, tmp_path):
         expected = head(e[:, 1:], f[:, :-1])
         for folder in (tmp_path, official):
             assert torch.equal(load_head(folder, model)(e[:, 1:], f[:, :-1]), expected)
+    # ours says in its metrics what length it trained on, which its drafter reads at most; a release reads it all
+    (tmp_path / "metrics.json").write_text('{"kind": "eagle", "config": {"max_tokens": 384}}')
+    assert load_any_head(tmp_path, model).window == 384 and load_any_head(official, model).window is None
 
 
 def test_wrong_target_is_refused(head, tmp_path):
@@ -113,10 +115,10 @@ def test_drafts_match_a_recomputation_from_true_features(model, head, method, te
 
 
 def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model, head, monkeypatch):
-    """Past ``WINDOW`` positions (what the head trained on) the head reads the text's last ones alone: its first draft
+    """Past its ``window`` (the positions it trained on, read from the folder it was saved to) the head reads the text's last ones alone: its first draft
     at every step is what it computes over the true features of the text from its offset on, its cache never holds
     more of the text than the window, and greedy decoding is still the target's."""
-    monkeypatch.setattr(eagle, "WINDOW", 12)
+    monkeypatch.setattr(head, "window", 12, raising=False)
     drafter = EagleDrafter(head, model, V)
     original = drafter.propose
     offsets = []
