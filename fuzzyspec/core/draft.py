@@ -148,6 +148,7 @@ class Drafter(Protocol):
     engine's word that the target's steps run compiled, so a drafter that can runs its own compiled too.
     ``copies``: it may propose a draft copied from the text so far, at no model pass, even at a step whose
     planned size is 0 (it is then asked with ``Budget.tokens`` 0, and answers a copy or None).
+    Optional (``BaseDrafter`` has it): ``first_feature(length)``, the first position whose features it reads.
     """
 
     forwards: int
@@ -189,3 +190,9 @@ class BaseDrafter:
 
     def accepted(self, count: int) -> None:
         pass
+
+    def first_feature(self, length: int) -> int:
+        """The first of a ``length``-token text's positions whose target features a drafter that reads them
+        (``wants_target_features``) reads, freshly reset: the engine may skip computing the ones before (a slot
+        that holds a prompt's first tokens, ``Engine.add_many``). 0: it reads them all."""
+        return 0

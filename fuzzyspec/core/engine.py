@@ -185,12 +185,14 @@ class Engine:
             _check(job)
         self._drain()  # (a row that the step queued ahead ends there leaves at the next step)
         prompts = [job.input_ids.to(self.device) for job in jobs]
-        free = [b for b, row in enumerate(self.slots) if row is None]
-        slots = (free + list(range(len(self.slots), len(self.slots) + len(jobs))))[: len(jobs)]
         longest = max(job.input_ids.shape[1] + job.config.max_new_tokens for job in jobs)
-        self._reserve(1 + max(slots), longest + 1)
+        if self.cache is None:  # (borrowed first: what its free slots hold decides where the rows go)
+            self._reserve(len(jobs), longest + 1)
+        slots, starts = self._seat(jobs)
+        width = max(job.input_ids.shape[1] - 1 - start for job, start in zip(jobs, starts))
+        self._reserve(1 + max(slots), max(longest, max(starts) + width) + 1)
         readers = [job.drafter for job in jobs if job.drafter is not None and job.drafter.wants_target_features]
-        found = self._prefill(prompts, slots, readers)
+        found = self._prefill(prompts, slots, starts, readers)
         self.slots += [None] * (1 + max(slots) - len(self.slots))
         added = []
         # a seed left to chance is drawn once for everyone: the ranks of a sharded target must draw alike
@@ -206,12 +208,13 @@ class Engine:
             else:
                 generator.manual_seed(config.seed)
             self.cache.lengths[slot] = input_ids.shape[1] - 1  # the newest token is fed at the first step
+            self.cache.held[slot] = None  # (its row's own now)
             if drafter is not None:
                 drafter.compiled = self.step_fn.compile
                 drafter.reset()
-                if drafter.wants_target_features and found and input_ids.shape[1] > 1:
+                if drafter.wants_target_features and found and input_ids.shape[1] - 1 > starts[b]:
                     features = target_features(found, drafter, self.step_fn.layer_count)
-                    drafter.observe(0, features[b: b + 1, : input_ids.shape[1] - 1])
+                    drafter.observe(starts[b], features[b: b + 1, : input_ids.shape[1] - 1 - starts[b]])
             row = Row(config, drafter, job.on_tokens, generator, Stats(method=config.method), time.perf_counter(),
                       input_ids, input_ids.shape[1], config.size_cap, config.tree_top_k if config.tree else 1,
                       slot, logprobs=job.logprobs)
@@ -222,6 +225,7 @@ class Engine:
                 if drafter.copies:
                     row.copies.population = profile.population(population_key(COPY, *rule))
             row.stats.draft_forwards = -(drafter.forwards if drafter is not None else 0)  # counted from here
+            row.stats.cached_tokens = starts[b]
             self.slots[slot] = row
             added.append(row)
         self._plan_in = 0  # the new rows' sizes are planned at their first step
@@ -240,15 +244,51 @@ class Engine:
             capacity *= 2
         self.cache.grow(slots, capacity)
 
-    def _prefill(self, prompts: list[Tensor], slots: list[int], readers: list[Drafter]) -> Features:
-        """Put every prompt token but the newest into its slot's cache, all prompts in one causal pass."""
-        width = max(input_ids.shape[1] for input_ids in prompts) - 1
+    def _seat(self, jobs: list[Job]) -> tuple[list[int], list[int]]:
+        """Each job's slot, and how many of its prompt's first positions the slot already holds (``StaticCache.held``:
+        a chat's next turn begins with the last one's prompt and answer): the free slot that holds the most of
+        them, short of those whose target features the job's drafter reads (``BaseDrafter.first_feature``),
+        else the first free slot, else a new one."""
+        free = [b for b in range(max(len(self.slots), self.cache.slots)) if b >= len(self.slots) or
+                self.slots[b] is None]
+        slots: list[int] = []
+        starts: list[int] = []
+        for job in jobs:
+            length = job.input_ids.shape[1] - 1  # (the prompt's newest token is fed at the first step)
+            usable = length
+            if job.drafter is not None and job.drafter.wants_target_features:
+                usable = min(usable, getattr(job.drafter, "first_feature", lambda n: 0)(length))
+            prompt = job.input_ids[0, :length].tolist()
+            best, start = None, 0
+            for b in free:
+                held = self.cache.held[b] if b < self.cache.slots else None
+                shared = _shared(held.tolist(), prompt) if held is not None and usable > 0 else 0
+                if b not in slots and (best is None or min(shared, usable) > start):
+                    best, start = b, min(shared, usable)
+            if best is None:
+                best = max([self.cache.slots, len(self.slots)] + [b + 1 for b in slots])
+            slots.append(best)
+            starts.append(start)
+        return slots, starts
+
+    def _forget(self, rows: int) -> None:
+        """A free slot among a step's first ``rows`` keeps nothing (``StaticCache.held``): the step writes a row of
+        padding there, from its position 0."""
+        for b in range(rows):
+            if b >= len(self.slots) or self.slots[b] is None:
+                self.cache.held[b] = None
+
+    def _prefill(self, prompts: list[Tensor], slots: list[int], starts: list[int], readers: list[Drafter]
+                 ) -> Features:
+        """Put every prompt token but the newest into its slot's cache, from ``starts`` on (what the slot held
+        before it: ``_seat``), all prompts in one causal pass."""
+        width = max(input_ids.shape[1] - 1 - start for input_ids, start in zip(prompts, starts))
         if width == 0:
             return {}
         tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for b, input_ids in enumerate(prompts):
-            tokens[b, : input_ids.shape[1] - 1] = input_ids[0, :-1]
-        starts = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        for b, (input_ids, start) in enumerate(zip(prompts, starts)):
+            tokens[b, : input_ids.shape[1] - 1 - start] = input_ids[0, start:-1]
+        starts = torch.tensor(starts, dtype=torch.long, device=self.device)
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         mask = attention_mask(starts, causal.expand(len(prompts), width, width), self.cache.capacity)
         positions = write_positions(starts, width)
@@ -317,6 +357,8 @@ class Engine:
             row.stats.wall_s = time.perf_counter() - row.started
             row.stats.draft_forwards += row.drafter.forwards if row.drafter is not None else 0
             self.slots[row.slot] = None
+            # what the slot keeps for a row whose prompt begins with the same tokens (a chat's next turn)
+            self.cache.held[row.slot] = row.sequence[0, : min(self.cache.lengths[row.slot], row.sequence.shape[1] - 1)]
             self.cache.lengths[row.slot] = 0
         while self.slots and self.slots[-1] is None:
             self.slots.pop()
@@ -365,6 +407,7 @@ class Engine:
         rows_now = [(b, row) for b, row in enumerate(self.slots) if row is not None and not row.done]
         width, rows = self.step_fn.shape(1, len(self.slots))
         self._reserve(rows, max(self.cache.lengths[:rows]) + width)
+        self._forget(rows)
         if previous is not None:  # (rows only leave between two queued steps: the slots are the same or fewer)
             tokens = previous.picked[:rows, None]
         else:
@@ -468,6 +511,7 @@ class Engine:
         sizes = {b: len(d) if d is not None else 0 for b, d in drafts.items()}
         width, rows = self.step_fn.shape(1 + max(sizes.values()), len(self.slots))
         self._reserve(rows, max(self.cache.lengths[:rows]) + width)
+        self._forget(rows)
         tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         depths = torch.zeros(rows, width, dtype=torch.long)
         tree = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # padding sees itself
@@ -585,6 +629,11 @@ def _finish(pending: dict[int, Pending]) -> dict[int, Verdict]:
         verdicts[b] = entry.finish(values[start: start + count])
         start += count
     return verdicts
+
+
+def _shared(held: list[int], prompt: list[int]) -> int:
+    """How many first tokens the two have in common."""
+    return next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
 
 
 def _check(job: Job) -> None:

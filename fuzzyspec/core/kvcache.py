@@ -31,7 +31,9 @@ class StaticCache:
     """Every layer's keys and values, [slots, kv_heads, capacity, head_dim] each, and each slot's length.
 
     ``lengths`` is kept on the host (the engine knows every row's length after each step without
-    reading the device); a free slot has length 0.
+    reading the device); a free slot has length 0. ``held[b]``: the tokens (a 1-D tensor) whose keys and values a
+    free slot b still holds at positions 0 .. len - 1, left by the row that last ran there (None: nothing), which
+    a new row whose prompt begins with them need not compute again (``Engine.add_many``).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int,
@@ -40,6 +42,7 @@ class StaticCache:
         self.keys = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
         self.values = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
         self.lengths = [0] * slots
+        self.held: list[Tensor | None] = [None] * slots
 
     @classmethod
     def for_model(cls, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str,
@@ -63,12 +66,28 @@ class StaticCache:
         return self.keys[0].device
 
     def clear(self) -> None:
-        """Empty every slot, in place (the tensors keep their addresses). Zeroed too, so that nothing a
-        former row left (not even a NaN) can reach a masked-out product."""
+        """Empty every slot, in place (the tensors keep their addresses), but for what ``held`` says a slot
+        holds. Zeroed past that, so that nothing a former row left (not even a NaN) can reach a masked-out
+        product."""
         with torch.inference_mode():  # (the engine makes its caches in inference mode)
             for tensor in (*self.keys, *self.values):
-                tensor.zero_()
+                if not any(tokens is not None for tokens in self.held):
+                    tensor.zero_()
+                    continue
+                for slot, tokens in enumerate(self.held):
+                    tensor[slot, :, 0 if tokens is None else len(tokens):].zero_()
         self.lengths = [0] * self.slots
+
+    def take_held(self, other: "StaticCache") -> None:
+        """Copy what ``other``'s free slots hold (``held``) into this (empty) cache's same slots, where they fit."""
+        with torch.inference_mode():
+            for slot, tokens in enumerate(other.held[: self.slots]):
+                if tokens is None or len(tokens) > self.capacity:
+                    continue
+                for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+                    for layer, tensor in enumerate(mine):
+                        tensor[slot, :, : len(tokens)] = theirs[layer][slot, :, : len(tokens)]
+                self.held[slot] = tokens
 
     def fits(self, width: int, rows: int | None = None) -> bool:
         """Whether each of the first ``rows`` slots can take ``width`` more positions."""
@@ -86,6 +105,7 @@ class StaticCache:
                 new[: old.shape[0], :, : old.shape[2]] = old
                 tensors[i] = _static(new)
         self.lengths += [0] * (slots - len(self.lengths))
+        self.held += [None] * (slots - len(self.held))
 
     def keep(self, slot: int, start: int, columns: list[int]) -> None:
         """Of the positions a step wrote from ``start`` in ``slot``, keep ``columns`` (offsets, ascending, the

@@ -26,6 +26,7 @@ class Stats:
     new_tokens: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
+    cached_tokens: int = 0  # the prompt's first positions an earlier row left in the cache (not computed again)
     proposed: int = 0
     accepted: int = 0
     reached_at: list[int] = field(default_factory=list)

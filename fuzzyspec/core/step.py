@@ -335,7 +335,8 @@ class TargetStep:
     def borrow_cache(self, slots: int, capacity: int) -> StaticCache:
         """An empty cache of ``slots`` rows of ``capacity`` positions for one engine: the one the last engine gave
         back (``give_back``) where it has that shape, else a new one. So one answer after another runs over the
-        same tensors, which CUDA graphs are captured over: a new cache for each answer would capture them anew."""
+        same tensors, which CUDA graphs are captured over: a new cache for each answer would capture them anew.
+        Either way it keeps what the one given back held in its free slots (``StaticCache.held``)."""
         with self._lending:
             spare, self._spare = self._spare, None
         if spare is not None and (spare.slots, spare.capacity, spare.keys[0].dtype) == (slots, capacity,
@@ -343,7 +344,10 @@ class TargetStep:
             spare.clear()
             return spare
         weight = self.model.get_input_embeddings().weight
-        return StaticCache.for_model(self.model.config, slots, capacity, self.cache_dtype, weight.device, self.shards)
+        cache = StaticCache.for_model(self.model.config, slots, capacity, self.cache_dtype, weight.device, self.shards)
+        if spare is not None and spare.keys[0].dtype == self.cache_dtype:
+            cache.take_held(spare)  # (what its free slots hold: a chat's next turn need not compute it again)
+        return cache
 
     def give_back(self, cache: StaticCache) -> None:
         """``cache``, no longer used by the engine that borrowed it, for the next one."""

@@ -112,6 +112,10 @@ class EagleDrafter(BaseDrafter):
     def accepted(self, count: int) -> None:
         self.tokens = None  # the next sequence extends the last one: no need to compare them on the device
 
+    def first_feature(self, length: int) -> int:
+        window = getattr(self.head, "window", None)  # (see _root)
+        return length - window // 2 if window and length > window else 0
+
     @torch.inference_mode()
     def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
                 generator: torch.Generator | None) -> Draft | None:

@@ -92,6 +92,9 @@ class CopyFirst(BaseDrafter):
     def accepted(self, count: int) -> None:
         self.drafter.accepted(count)
 
+    def first_feature(self, length: int) -> int:
+        return getattr(self.drafter, "first_feature", lambda n: 0)(length)
+
     def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
                 generator: torch.Generator | None) -> Draft | None:
         if budget.copy:

@@ -28,7 +28,10 @@ class Reply:
     def usage(self, requests: list[EngineRequest]) -> dict:
         completion = sum(len(request.tokens) for request in requests)
         prompt = sum(self.prompt_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # (OpenAI's field for a prompt's first tokens served from an earlier request's cache: ``Engine.add_many``)
+        cached = sum(request.stats.cached_tokens for request in requests if request.stats is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _decoding(self, requests: list[EngineRequest]) -> dict:
         stats = [r.stats for r in requests if r.stats is not None]

@@ -225,10 +225,45 @@ def test_answers_one_after_another_reuse_the_steps_cache(target, draft):
     assert again.tolist() == first.tolist() == [run(target, draft, PROMPTS[0], method="sd", gamma=3,
                                                     max_new_tokens=20)[0]]
     assert step.borrow_cache(1, 256) is lent and lent.lengths == [0]  # given back again by the second answer
-    assert all(not bool(tensor.any()) for tensor in (*lent.keys, *lent.values))  # emptied for the next
+    held = len(lent.held[0])  # emptied for the next but for what its slot holds (the last answer's text)
+    text = torch.tensor(PROMPTS[0] + first[0].tolist())
+    assert held == len(text) - 1 and torch.equal(lent.held[0], text[:-1])
+    assert all(not bool(tensor[:, :, held:].any()) for tensor in (*lent.keys, *lent.values))
     assert step.borrow_cache(1, 256) is not lent  # lent out already: another engine gets its own
     step.give_back(lent)
     assert step.borrow_cache(1, 512) is not lent  # another shape: a new cache, as before
+
+
+@pytest.mark.parametrize("first_length", [30, 240])  # (the second answer's cache: the same one, or a larger one)
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_a_prompt_that_begins_with_a_free_slots_text_is_computed_from_where_it_differs(target, draft, first_length,
+                                                                                       method):
+    """A chat's next turn begins with the last turn's prompt and answer: the slot the last answer left holds their
+    keys and values, so the new prompt is computed from where it differs, and decodes as it would from scratch.
+    A prompt that differs from the start is computed whole."""
+    step = TargetStep(target)
+    config = DecodeConfig(method=method, gamma=3, max_new_tokens=12, eos_token_ids=())
+    first = torch.randint(0, V, (1, first_length), generator=torch.Generator().manual_seed(1))
+    drafter = (lambda: ModelDrafter(draft, V)) if method == "sd" else (lambda: None)
+    answer, _ = decode(step, drafter(), first, config, V)
+    follow = torch.cat([first, answer, torch.tensor([[3, 9, 27, 1, 30]])], 1)
+    widths = []
+    forward = step.forward
+    step.forward = lambda cache, tokens, *rest: widths.append(tokens.shape[1]) or forward(cache, tokens, *rest)
+    engine = Engine(step, V)
+    row = engine.add(follow, config, drafter())
+    while engine.rows:
+        engine.step()
+    held = first_length + 12 - 1  # the first answer's newest token never reached the cache
+    assert row.stats.cached_tokens == held and widths[0] == follow.shape[1] - 1 - held
+    fresh, _ = decode(TargetStep(target), drafter(), follow, config, V)
+    assert row.tokens == fresh[0].tolist()
+    other = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(2))
+    row = engine.add(other, config, drafter())
+    while engine.rows:
+        engine.step()
+    assert row.stats.cached_tokens == 0 and row.tokens == decode(TargetStep(target), drafter(), other, config,
+                                                                 V)[0][0].tolist()
 
 
 class CopySpy(CopyFirst):

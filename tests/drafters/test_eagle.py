@@ -5,7 +5,8 @@ from safetensors.torch import load_file
 
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.engine import decode
+from fuzzyspec.core.engine import Engine, decode
+from fuzzyspec.core.step import TargetStep
 from fuzzyspec.core.kvcache import DraftCache, crop_to
 from fuzzyspec.drafters.eagle import EagleDrafter, load_any_head
 from fuzzyspec.drafters.eagle_head import EagleHead, load_head
@@ -141,6 +142,38 @@ def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model
     tokens, _ = decode(model, drafter, prompt, config, V)
     assert offsets[0] == 20 - 1 - 6 and len(set(offsets)) > 2  # the prompt's end, then later ends
     assert tokens[0].tolist() == model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 20:].tolist()
+
+
+def test_a_chats_next_turn_computes_the_features_its_window_reads(model, head, monkeypatch):
+    """A slot that holds a chat's last turn spares its next turn's prompt all but the positions whose target features
+    the head reads (its window's last half): those are computed again, and the head drafts from true features."""
+    monkeypatch.setattr(head, "window", 12, raising=False)
+    step = TargetStep(model)
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=10, eos_token_ids=())
+    first = torch.randint(0, V, (1, 25), generator=torch.Generator().manual_seed(5))
+    answer, _ = decode(step, EagleDrafter(head, model, V), first, config, V)
+    follow = torch.cat([first, answer, torch.tensor([[2, 4, 6]])], 1)
+    drafter = EagleDrafter(head, model, V)
+    original = drafter.propose
+
+    def checking(sequence, budget, sampling, generator):
+        draft = original(sequence, dataclasses.replace(budget, distributions=True), sampling, generator)
+        start = drafter.offset
+        f = features_of(model, sequence[:, :-1])[:, start:]
+        with torch.no_grad():
+            e = model.get_input_embeddings()(sequence[:, start + 1:])
+            expected = model.get_output_embeddings()(head(e, f)[:, -1])
+        assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
+        return draft
+
+    drafter.propose = checking
+    engine = Engine(step, V)
+    row = engine.add(follow, config, drafter)
+    while engine.rows:
+        engine.step()
+    length = follow.shape[1] - 1
+    assert row.stats.cached_tokens == drafter.first_feature(length) == length - 6
+    assert row.tokens == model.generate(follow, max_new_tokens=10, do_sample=False)[0, follow.shape[1]:].tolist()
 
 
 def tree_run(model, head, prompt, **options):

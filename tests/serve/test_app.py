@@ -42,6 +42,21 @@ def test_completion_and_chat_equal_the_library(server):
     assert chat.choices[0].message.content == alone.text and chat.choices[0].message.role == "assistant"
 
 
+def test_a_chats_next_turn_is_served_from_what_the_last_one_left(server):
+    """Each turn of a chat sends the whole conversation: the server computes it from where it differs from what a
+    free slot holds (the last turn's prompt and answer), says so in OpenAI's ``cached_tokens``, and answers as
+    the library does from scratch."""
+    messages = [{"role": "user", "content": "Tell me about rivers and the sea."}]
+    options = {"max_tokens": 8, "temperature": 0, "extra_body": {"method": "ar"}}
+    first = server.client.chat.completions.create(model="tiny", messages=messages, **options)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And lakes?"}]
+    second = server.client.chat.completions.create(model="tiny", messages=messages, **options)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert second.choices[0].message.content == server.pair.generate(messages, max_new_tokens=8, method="ar",
+                                                                     temperature=0).text
+
+
 def test_streaming_gives_the_same_text(server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     whole = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
