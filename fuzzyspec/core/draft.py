@@ -148,7 +148,8 @@ class Drafter(Protocol):
     engine's word that the target's steps run compiled, so a drafter that can runs its own compiled too.
     ``copies``: it may propose a draft copied from the text so far, at no model pass, even at a step whose
     planned size is 0 (it is then asked with ``Budget.tokens`` 0, and answers a copy or None).
-    Optional (``BaseDrafter`` has it): ``first_feature(length)``, the first position whose features it reads.
+    Optional (``BaseDrafter`` has them): ``first_feature(length)``, the first position whose features it reads, and
+    ``true_features()``, the features it holds.
     """
 
     forwards: int
@@ -196,3 +197,8 @@ class BaseDrafter:
         (``wants_target_features``) reads, freshly reset: the engine may skip computing the ones before (a slot
         that holds a prompt's first tokens, ``Engine.add_many``). 0: it reads them all."""
         return 0
+
+    def true_features(self) -> Tensor | None:
+        """The target features it holds of the text's first positions ([1, n, F]; None: none), which the engine
+        keeps with its row's slot when the row ends, for a row whose prompt begins with the same text."""
+        return None

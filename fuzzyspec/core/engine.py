@@ -43,7 +43,7 @@ from .cost import COPY, Acceptance, Option, copy_length, draft_key, plan, popula
 from .draft import Budget, Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
-from .kvcache import StaticCache, attention_mask, chain_tree, write_positions
+from .kvcache import Held, StaticCache, attention_mask, chain_tree, write_positions
 from .parallel import agree
 from .sampling import Sampling, sample
 from .scoring import TokenLogprob, log_probs, token_logprobs
@@ -188,7 +188,7 @@ class Engine:
         longest = max(job.input_ids.shape[1] + job.config.max_new_tokens for job in jobs)
         if self.cache is None:  # (borrowed first: what its free slots hold decides where the rows go)
             self._reserve(len(jobs), longest + 1)
-        slots, starts = self._seat(jobs)
+        slots, starts, lent = self._seat(jobs)
         width = max(job.input_ids.shape[1] - 1 - start for job, start in zip(jobs, starts))
         self._reserve(1 + max(slots), max(longest, max(starts) + width) + 1)
         readers = [job.drafter for job in jobs if job.drafter is not None and job.drafter.wants_target_features]
@@ -212,6 +212,8 @@ class Engine:
             if drafter is not None:
                 drafter.compiled = self.step_fn.compile
                 drafter.reset()
+                if lent[b] is not None:  # the features its slot held (``_seat``)
+                    drafter.observe(*lent[b])
                 if drafter.wants_target_features and found and input_ids.shape[1] - 1 > starts[b]:
                     features = target_features(found, drafter, self.step_fn.layer_count)
                     drafter.observe(starts[b], features[b: b + 1, : input_ids.shape[1] - 1 - starts[b]])
@@ -244,32 +246,43 @@ class Engine:
             capacity *= 2
         self.cache.grow(slots, capacity)
 
-    def _seat(self, jobs: list[Job]) -> tuple[list[int], list[int]]:
-        """Each job's slot, and how many of its prompt's first positions the slot already holds (``StaticCache.held``:
-        a chat's next turn begins with the last one's prompt and answer): the free slot that holds the most of
-        them, short of those whose target features the job's drafter reads (``BaseDrafter.first_feature``),
-        else the first free slot, else a new one."""
+    def _seat(self, jobs: list[Job]) -> tuple[list[int], list[int], list[tuple[int, Tensor] | None]]:
+        """Each job's slot, how many of its prompt's first positions the slot already holds (``StaticCache.held``: a
+        chat's next turn begins with the last one's prompt and answer), and the target features it holds that the
+        job's drafter reads among those (from where, and they): the free slot that holds the most, else the first
+        free slot, else a new one. A drafter that reads features (from ``BaseDrafter.first_feature`` on) gets them
+        from the slot where its last row's drafter held them (``true_features``); the rest are computed again."""
         free = [b for b in range(max(len(self.slots), self.cache.slots)) if b >= len(self.slots) or
                 self.slots[b] is None]
         slots: list[int] = []
         starts: list[int] = []
+        lent: list[tuple[int, Tensor] | None] = []
         for job in jobs:
             length = job.input_ids.shape[1] - 1  # (the prompt's newest token is fed at the first step)
-            usable = length
-            if job.drafter is not None and job.drafter.wants_target_features:
-                usable = min(usable, getattr(job.drafter, "first_feature", lambda n: 0)(length))
+            drafter = job.drafter if job.drafter is not None and job.drafter.wants_target_features else None
+            first = getattr(drafter, "first_feature", lambda n: 0)(length) if drafter is not None else length
             prompt = job.input_ids[0, :length].tolist()
-            best, start = None, 0
+            best, start, features = None, 0, None
             for b in free:
                 held = self.cache.held[b] if b < self.cache.slots else None
-                shared = _shared(held.tolist(), prompt) if held is not None and usable > 0 else 0
-                if b not in slots and (best is None or min(shared, usable) > start):
-                    best, start = b, min(shared, usable)
+                if b in slots:
+                    continue
+                shared, reach = 0, first
+                if held is not None:
+                    shared = _shared(held.tokens.tolist(), prompt)
+                    if drafter is not None and held.features is not None and \
+                            held.layers == tuple(drafter.feature_layers):
+                        reach = max(first, min(held.features.shape[1], length))
+                if best is None or min(shared, reach) > start:
+                    best, start = b, min(shared, reach)
+                    features = (first, held.features[:, first:start]) if drafter is not None and start > first \
+                        else None
             if best is None:
                 best = max([self.cache.slots, len(self.slots)] + [b + 1 for b in slots])
             slots.append(best)
             starts.append(start)
-        return slots, starts
+            lent.append(features)
+        return slots, starts, lent
 
     def _forget(self, rows: int) -> None:
         """A free slot among a step's first ``rows`` keeps nothing (``StaticCache.held``): the step writes a row of
@@ -358,7 +371,11 @@ class Engine:
             row.stats.draft_forwards += row.drafter.forwards if row.drafter is not None else 0
             self.slots[row.slot] = None
             # what the slot keeps for a row whose prompt begins with the same tokens (a chat's next turn)
-            self.cache.held[row.slot] = row.sequence[0, : min(self.cache.lengths[row.slot], row.sequence.shape[1] - 1)]
+            tokens = row.sequence[0, : min(self.cache.lengths[row.slot], row.sequence.shape[1] - 1)]
+            reader = row.drafter if row.drafter is not None and row.drafter.wants_target_features else None
+            features = getattr(reader, "true_features", lambda: None)() if reader is not None else None
+            self.cache.held[row.slot] = Held(tokens) if features is None else \
+                Held(tokens, features, tuple(reader.feature_layers))
             self.cache.lengths[row.slot] = 0
         while self.slots and self.slots[-1] is None:
             self.slots.pop()

@@ -18,6 +18,7 @@ Two rules keep compiled steps fast and safe:
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,13 +28,24 @@ from transformers import DynamicCache
 from .host import upload
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a free slot of a ``StaticCache`` still holds: the keys and values of ``tokens`` ([n]) at positions
+    0 .. n - 1, and the target features ([1, m, F], of positions 0 .. m - 1, at ``layers``) its last row's drafter
+    held, where it read them."""
+
+    tokens: Tensor
+    features: Tensor | None = None
+    layers: tuple[int, ...] = ()
+
+
 class StaticCache:
     """Every layer's keys and values, [slots, kv_heads, capacity, head_dim] each, and each slot's length.
 
     ``lengths`` is kept on the host (the engine knows every row's length after each step without
-    reading the device); a free slot has length 0. ``held[b]``: the tokens (a 1-D tensor) whose keys and values a
-    free slot b still holds at positions 0 .. len - 1, left by the row that last ran there (None: nothing), which
-    a new row whose prompt begins with them need not compute again (``Engine.add_many``).
+    reading the device); a free slot has length 0. ``held[b]``: what a free slot b still holds (``Held``), left by
+    the row that last ran there (None: nothing), which a new row whose prompt begins with the same tokens need not
+    compute again (``Engine.add_many``).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int,
@@ -42,7 +54,7 @@ class StaticCache:
         self.keys = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
         self.values = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
         self.lengths = [0] * slots
-        self.held: list[Tensor | None] = [None] * slots
+        self.held: list[Held | None] = [None] * slots
 
     @classmethod
     def for_model(cls, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str,
@@ -71,23 +83,23 @@ class StaticCache:
         product."""
         with torch.inference_mode():  # (the engine makes its caches in inference mode)
             for tensor in (*self.keys, *self.values):
-                if not any(tokens is not None for tokens in self.held):
+                if not any(held is not None for held in self.held):
                     tensor.zero_()
                     continue
-                for slot, tokens in enumerate(self.held):
-                    tensor[slot, :, 0 if tokens is None else len(tokens):].zero_()
+                for slot, held in enumerate(self.held):
+                    tensor[slot, :, 0 if held is None else len(held.tokens):].zero_()
         self.lengths = [0] * self.slots
 
     def take_held(self, other: "StaticCache") -> None:
         """Copy what ``other``'s free slots hold (``held``) into this (empty) cache's same slots, where they fit."""
         with torch.inference_mode():
-            for slot, tokens in enumerate(other.held[: self.slots]):
-                if tokens is None or len(tokens) > self.capacity:
+            for slot, held in enumerate(other.held[: self.slots]):
+                if held is None or len(held.tokens) > self.capacity:
                     continue
                 for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
                     for layer, tensor in enumerate(mine):
-                        tensor[slot, :, : len(tokens)] = theirs[layer][slot, :, : len(tokens)]
-                self.held[slot] = tokens
+                        tensor[slot, :, : len(held.tokens)] = theirs[layer][slot, :, : len(held.tokens)]
+                self.held[slot] = held
 
     def fits(self, width: int, rows: int | None = None) -> bool:
         """Whether each of the first ``rows`` slots can take ``width`` more positions."""

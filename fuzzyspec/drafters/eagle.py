@@ -116,6 +116,9 @@ class EagleDrafter(BaseDrafter):
         window = getattr(self.head, "window", None)  # (see _root)
         return length - window // 2 if window and length > window else 0
 
+    def true_features(self) -> Tensor | None:
+        return self.features[:, : self.known] if self.features is not None else None
+
     @torch.inference_mode()
     def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,
                 generator: torch.Generator | None) -> Draft | None:

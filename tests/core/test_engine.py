@@ -225,9 +225,9 @@ def test_answers_one_after_another_reuse_the_steps_cache(target, draft):
     assert again.tolist() == first.tolist() == [run(target, draft, PROMPTS[0], method="sd", gamma=3,
                                                     max_new_tokens=20)[0]]
     assert step.borrow_cache(1, 256) is lent and lent.lengths == [0]  # given back again by the second answer
-    held = len(lent.held[0])  # emptied for the next but for what its slot holds (the last answer's text)
+    held = len(lent.held[0].tokens)  # emptied for the next but for what its slot holds (the last answer's text)
     text = torch.tensor(PROMPTS[0] + first[0].tolist())
-    assert held == len(text) - 1 and torch.equal(lent.held[0], text[:-1])
+    assert held == len(text) - 1 and torch.equal(lent.held[0].tokens, text[:-1])
     assert all(not bool(tensor[:, :, held:].any()) for tensor in (*lent.keys, *lent.values))
     assert step.borrow_cache(1, 256) is not lent  # lent out already: another engine gets its own
     step.give_back(lent)

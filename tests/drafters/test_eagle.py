@@ -144,14 +144,17 @@ def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model
     assert tokens[0].tolist() == model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 20:].tolist()
 
 
-def test_a_chats_next_turn_computes_the_features_its_window_reads(model, head, monkeypatch):
-    """A slot that holds a chat's last turn spares its next turn's prompt all but the positions whose target features
-    the head reads (its window's last half): those are computed again, and the head drafts from true features."""
+@pytest.mark.parametrize("first_drafter", ["eagle", None])
+def test_a_chats_next_turn_reads_the_features_its_window_needs(model, head, monkeypatch, first_drafter):
+    """A slot that holds a chat's last turn spares its next turn's prompt what it holds. The head's features come
+    from the slot where the last turn's drafter held them; else those it reads (its window's last half) are computed
+    again. Either way it drafts from the true features."""
     monkeypatch.setattr(head, "window", 12, raising=False)
     step = TargetStep(model)
     config = DecodeConfig(method="sd", gamma=3, max_new_tokens=10, eos_token_ids=())
     first = torch.randint(0, V, (1, 25), generator=torch.Generator().manual_seed(5))
-    answer, _ = decode(step, EagleDrafter(head, model, V), first, config, V)
+    first_config = config if first_drafter else DecodeConfig(method="ar", max_new_tokens=10, eos_token_ids=())
+    answer, _ = decode(step, EagleDrafter(head, model, V) if first_drafter else None, first, first_config, V)
     follow = torch.cat([first, answer, torch.tensor([[2, 4, 6]])], 1)
     drafter = EagleDrafter(head, model, V)
     original = drafter.propose
@@ -172,7 +175,8 @@ def test_a_chats_next_turn_computes_the_features_its_window_reads(model, head, m
     while engine.rows:
         engine.step()
     length = follow.shape[1] - 1
-    assert row.stats.cached_tokens == drafter.first_feature(length) == length - 6
+    assert drafter.first_feature(length) == length - 6
+    assert row.stats.cached_tokens == (25 + 10 - 1 if first_drafter else length - 6)
     assert row.tokens == model.generate(follow, max_new_tokens=10, do_sample=False)[0, follow.shape[1]:].tolist()
 
 
