@@ -5,8 +5,10 @@ conversation, and the slot the last answer used holds its prompt's and answer's 
 Each everyday prompt is asked as the last turn of a long chat (``ab_planner.chats``: held-out ShareGPT exchanges
 worth about --context tokens), answered; then the next turn asks "Can you say that more briefly?" after the answer,
 timed twice, in an order that alternates from chat to chat: with what the first turn left, and with the cache's
-slots emptied first (``held`` cleared). Same job, same process (the default job, or --method), greedy. Prints each turn-2 answer's seconds (its prefill, then all), the
-prompt tokens computed, and the ratios; and the CPU's instruction sets.
+slots emptied first (``held`` cleared). Same job, same process (the default job, or --method), greedy. Prints each
+turn-2 answer's seconds (its prefill, then all), the prompt tokens computed, and the ratios, how many answers came
+out the same both ways (compiled, the last answer's keys and values come from its compiled steps, whose rounding is
+not an eager prefill's); and the CPU's instruction sets.
 
 Usage: python benchmarks/bench_chat_turns.py [--prompts 8] [--context 1500] [--mode compiled] [--method sd]
 """

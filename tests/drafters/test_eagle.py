@@ -116,9 +116,10 @@ def test_drafts_match_a_recomputation_from_true_features(model, head, method, te
 
 
 def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model, head, monkeypatch):
-    """Past its ``window`` (the positions it trained on, read from the folder it was saved to) the head reads the text's last ones alone: its first draft
-    at every step is what it computes over the true features of the text from its offset on, its cache never holds
-    more of the text than the window, and greedy decoding is still the target's."""
+    """Past its ``window`` (the positions it trained on, read from the folder it was saved to) the head reads
+    the text's last ones alone: its first draft at every step is what it computes over the true features of the
+    text from its offset on, its cache never holds more of the text than the window, and greedy decoding is
+    still the target's."""
     monkeypatch.setattr(head, "window", 12, raising=False)
     drafter = EagleDrafter(head, model, V)
     original = drafter.propose
