@@ -115,15 +115,11 @@ def test_drafts_match_a_recomputation_from_true_features(model, head, method, te
                                                     do_sample=False)[0, 4:].tolist()
 
 
-def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model, head, monkeypatch):
-    """Past its ``window`` (the positions it trained on, read from the folder it was saved to) the head reads
-    the text's last ones alone: its first draft at every step is what it computes over the true features of the
-    text from its offset on, its cache never holds more of the text than the window, and greedy decoding is
-    still the target's."""
-    monkeypatch.setattr(head, "window", 12, raising=False)
-    drafter = EagleDrafter(head, model, V)
-    original = drafter.propose
-    offsets = []
+def checked_from_its_offset(drafter, model, head, offsets):
+    """``drafter``, its every first draft checked against the head run from scratch over the true features of the
+    text from the drafter's offset on (a window's start: 0 while the text fits it), which go into ``offsets``; the
+    true positions its cache holds then go into ``drafter.counts``."""
+    original, drafter.counts = drafter.propose, []
 
     def checking(sequence, budget, sampling, generator):
         draft = original(sequence, dataclasses.replace(budget, distributions=True), sampling, generator)
@@ -133,15 +129,27 @@ def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model
             e = model.get_input_embeddings()(sequence[:, start + 1:])
             expected = model.get_output_embeddings()(head(e, f)[:, -1])
         assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
-        assert drafter.true_positions - start <= 12  # (the cache holds them, then this draft's predictions)
         offsets.append(start)
+        drafter.counts.append(drafter.true_positions)
         return draft
 
     drafter.propose = checking
+    return drafter
+
+
+def test_past_its_window_the_head_reads_the_texts_end_as_a_text_of_its_own(model, head, monkeypatch):
+    """Past its ``window`` (the positions it trained on, read from the folder it was saved to) the head reads
+    the text's last ones alone: its first draft at every step is what it computes over the true features of the
+    text from its offset on, its cache never holds more of the text than the window, and greedy decoding is
+    still the target's."""
+    monkeypatch.setattr(head, "window", 12, raising=False)
+    offsets = []
+    drafter = checked_from_its_offset(EagleDrafter(head, model, V), model, head, offsets)
     prompt = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(4))
     config = DecodeConfig(method="sd", gamma=3, max_new_tokens=30)
     tokens, _ = decode(model, drafter, prompt, config, V)
     assert offsets[0] == 20 - 1 - 6 and len(set(offsets)) > 2  # the prompt's end, then later ends
+    assert all(count - start <= 12 for start, count in zip(offsets, drafter.counts))  # never more than the window
     assert tokens[0].tolist() == model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 20:].tolist()
 
 
@@ -157,20 +165,7 @@ def test_a_chats_next_turn_reads_the_features_its_window_needs(model, head, monk
     first_config = config if first_drafter else DecodeConfig(method="ar", max_new_tokens=10, eos_token_ids=())
     answer, _ = decode(step, EagleDrafter(head, model, V) if first_drafter else None, first, first_config, V)
     follow = torch.cat([first, answer, torch.tensor([[2, 4, 6]])], 1)
-    drafter = EagleDrafter(head, model, V)
-    original = drafter.propose
-
-    def checking(sequence, budget, sampling, generator):
-        draft = original(sequence, dataclasses.replace(budget, distributions=True), sampling, generator)
-        start = drafter.offset
-        f = features_of(model, sequence[:, :-1])[:, start:]
-        with torch.no_grad():
-            e = model.get_input_embeddings()(sequence[:, start + 1:])
-            expected = model.get_output_embeddings()(head(e, f)[:, -1])
-        assert torch.allclose(draft.logits[0], expected[0], atol=1e-4)
-        return draft
-
-    drafter.propose = checking
+    drafter = checked_from_its_offset(EagleDrafter(head, model, V), model, head, [])
     engine = Engine(step, V)
     row = engine.add(follow, config, drafter)
     while engine.rows:
