@@ -198,7 +198,7 @@ class BaseDrafter:
         that holds a prompt's first tokens, ``Engine.add_many``). 0: it reads them all."""
         return 0
 
-    def true_features(self) -> Tensor | None:
-        """The target features it holds of the text's first positions ([1, n, F]; None: none), which the engine
-        keeps with its row's slot when the row ends, for a row whose prompt begins with the same text."""
+    def true_features(self) -> tuple[int, Tensor] | None:
+        """The target features it holds of the text (from which position, and they: [1, n, F]; None: none), which
+        the engine keeps with its row's slot when the row ends, for a row whose prompt begins with the same text."""
         return None

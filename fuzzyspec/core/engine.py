@@ -270,13 +270,13 @@ class Engine:
                 shared, reach = 0, first
                 if held is not None:
                     shared = _shared(held.tokens.tolist(), prompt)
-                    if drafter is not None and held.features is not None and \
+                    if drafter is not None and held.features is not None and held.since <= first and \
                             held.layers == tuple(drafter.feature_layers):
-                        reach = max(first, min(held.features.shape[1], length))
+                        reach = max(first, min(held.since + held.features.shape[1], length))
                 if best is None or min(shared, reach) > start:
                     best, start = b, min(shared, reach)
-                    features = (first, held.features[:, first:start]) if drafter is not None and start > first \
-                        else None
+                    features = (first, held.features[:, first - held.since: start - held.since]) \
+                        if drafter is not None and start > first else None
             if best is None:
                 best = max([self.cache.slots, len(self.slots)] + [b + 1 for b in slots])
             slots.append(best)
@@ -375,7 +375,7 @@ class Engine:
             reader = row.drafter if row.drafter is not None and row.drafter.wants_target_features else None
             features = getattr(reader, "true_features", lambda: None)() if reader is not None else None
             self.cache.held[row.slot] = Held(tokens) if features is None else \
-                Held(tokens, features, tuple(reader.feature_layers))
+                Held(tokens, features[1], tuple(reader.feature_layers), features[0])
             self.cache.lengths[row.slot] = 0
         while self.slots and self.slots[-1] is None:
             self.slots.pop()

@@ -31,12 +31,13 @@ from .host import upload
 @dataclass(frozen=True)
 class Held:
     """What a free slot of a ``StaticCache`` still holds: the keys and values of ``tokens`` ([n]) at positions
-    0 .. n - 1, and the target features ([1, m, F], of positions 0 .. m - 1, at ``layers``) its last row's drafter
-    held, where it read them."""
+    0 .. n - 1, and the target features ([1, m, F], of positions since .. since + m - 1, at ``layers``) its last
+    row's drafter held, where it read them."""
 
     tokens: Tensor
     features: Tensor | None = None
     layers: tuple[int, ...] = ()
+    since: int = 0
 
 
 class StaticCache:

@@ -91,8 +91,9 @@ class EagleDrafter(BaseDrafter):
 
     def reset(self) -> None:
         self.cache = self.step.new_cache()
-        self.features: Tensor | None = None  # true target features of positions 0 .. known - 1, then room
+        self.features: Tensor | None = None  # true target features of positions since .. known - 1, then room
         self.known = 0
+        self.since = math.inf  # (a row whose prompt's start its slot held is given features from a later position)
         self.tokens: Tensor | None = None  # the sequence those features belong to, until the engine vouches for it
         self.true_positions = 0  # head cache positions computed from true features and tokens
         self.offset = 0  # the text position of the head cache's first (it reads a long prompt's end alone: _root)
@@ -107,6 +108,7 @@ class EagleDrafter(BaseDrafter):
             self.features = grown
         self.features[:, start:end] = features
         self.known = end
+        self.since = min(self.since, start)
         self.true_positions = min(self.true_positions, start)
 
     def accepted(self, count: int) -> None:
@@ -116,8 +118,8 @@ class EagleDrafter(BaseDrafter):
         window = getattr(self.head, "window", None)  # (see _root)
         return length - window // 2 if window and length > window else 0
 
-    def true_features(self) -> Tensor | None:
-        return self.features[:, : self.known] if self.features is not None else None
+    def true_features(self) -> tuple[int, Tensor] | None:
+        return (self.since, self.features[:, self.since: self.known]) if self.features is not None else None
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,

@@ -95,7 +95,7 @@ class CopyFirst(BaseDrafter):
     def first_feature(self, length: int) -> int:
         return getattr(self.drafter, "first_feature", lambda n: 0)(length)
 
-    def true_features(self) -> Tensor | None:
+    def true_features(self) -> tuple[int, Tensor] | None:
         return getattr(self.drafter, "true_features", lambda: None)()
 
     def propose(self, sequence: Tensor, budget: Budget, sampling: Sampling,

@@ -176,6 +176,26 @@ def test_a_chats_next_turn_reads_the_features_its_window_needs(model, head, monk
     assert row.tokens == model.generate(follow, max_new_tokens=10, do_sample=False)[0, follow.shape[1]:].tolist()
 
 
+def test_features_held_from_a_later_position_are_not_lent_before_it(model, head, monkeypatch):
+    """A turn whose drafter was given the features of its prompt's end only holds those: a next prompt that shares
+    a start with it, but ends earlier, gets the features its window reads computed, never read from before them."""
+    monkeypatch.setattr(head, "window", 12, raising=False)
+    step = TargetStep(model)
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=10, eos_token_ids=())
+    first = torch.randint(0, V, (1, 25), generator=torch.Generator().manual_seed(6))
+    answer, _ = decode(step, None, first, DecodeConfig(method="ar", max_new_tokens=10, eos_token_ids=()), V)
+    follow = torch.cat([first, answer, torch.tensor([[2, 4, 6]])], 1)  # 38 tokens: features from 31 on
+    decode(step, EagleDrafter(head, model, V), follow, config, V)
+    shorter = torch.cat([follow[:, :33], torch.tensor([[7, 7, 1]])], 1)  # its window reads from 29 on
+    drafter = checked_from_its_offset(EagleDrafter(head, model, V), model, head, [])
+    engine = Engine(step, V)
+    row = engine.add(shorter, config, drafter)
+    while engine.rows:
+        engine.step()
+    assert row.stats.cached_tokens == drafter.first_feature(35) == 29
+    assert row.tokens == model.generate(shorter, max_new_tokens=10, do_sample=False)[0, 36:].tolist()
+
+
 def tree_run(model, head, prompt, **options):
     config = DecodeConfig(tree=True, **options)
     return decode(model, EagleDrafter(head, model, V), torch.tensor([prompt]), config, V)
