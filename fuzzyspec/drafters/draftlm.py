@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ..core.vocab import DraftVocab, reduced_lm_head
+from ..train.config import trained_length
 
 SHARED = ("embed_tokens", "lm_head")
 
@@ -33,6 +34,7 @@ class DraftLM:
 
     model: PreTrainedModel
     vocab: DraftVocab | None = None
+    window: int | None = None  # the positions it reads at most: what it trained on (``trained_length``)
 
     @property
     def width(self) -> int:
@@ -125,7 +127,7 @@ def load_draft_lm(folder: str | Path, target: PreTrainedModel) -> DraftLM:
     missing = [name for name, p in draft.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"the draft at {folder} lacks weights: {', '.join(missing[:3])}")
-    return DraftLM(draft.eval(), vocab)
+    return DraftLM(draft.eval(), vocab, trained_length(folder))
 
 
 def self_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:

@@ -2,7 +2,6 @@
 target's features."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Callable
@@ -16,6 +15,7 @@ from ..core.host import upload
 from ..core.kvcache import crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import reduced_lm_head
+from ..train.config import trained_length
 from .chain import common_prefix, draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from .eagle_head import EagleHead, load_head
@@ -30,18 +30,6 @@ def load_any_head(folder: str | Path, target: PreTrainedModel) -> Head:
     head = load_eagle3(folder, target) if is_eagle3(folder) else load_head(folder, target)
     head.window = trained_length(folder)
     return head
-
-
-def trained_length(folder: str | Path) -> int | None:
-    """The positions our trainer cut a head's sequences to (its ``metrics.json``), which its drafter reads at most
-    (``EagleDrafter._root``); None for a head trained elsewhere. After ~2,000 positions of chat the shipped head,
-    trained on 512, drafted better from the text's last 256-512 positions alone (greedy EAGLE chains of 4: 2.65
-    tokens a pass against 2.13), as well as cheaper."""
-    path = Path(folder) / "metrics.json"
-    try:
-        return int(json.loads(path.read_text())["config"]["max_tokens"]) if path.is_file() else None
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def head_logits(head: Head, target: PreTrainedModel) -> Callable[[Tensor], Tensor]:

@@ -146,8 +146,10 @@ def _in_targets_form(drafter: torch.nn.Module, target: PreTrainedModel) -> torch
 def _draft_lm(name: str, draft: DraftLM, target: PreTrainedModel | None = None) -> DrafterSource:
     if target is not None:
         _in_targets_form(draft.model, target)
-    return DrafterSource(name, draft.model, lambda vocab_size: ModelDrafter(draft.model, vocab_size, draft.vocab),
-                         draft.width)
+    def make(vocab_size: int) -> ModelDrafter:
+        return ModelDrafter(draft.model, vocab_size, draft.vocab, draft.window)
+
+    return DrafterSource(name, draft.model, make, draft.width)
 
 
 def _head(name: str, folder: Path, target: PreTrainedModel) -> DrafterSource:

@@ -1,7 +1,9 @@
 """How a drafter is trained: ``TrainConfig``, declared without torch so the CLI builds its flags cheaply."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 LOSSES = ("ce", "tv", "js")  # distillation losses (see objectives)
 
@@ -61,3 +63,15 @@ class TrainConfig:
             raise ValueError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
+
+
+def trained_length(folder: str | Path) -> int | None:
+    """The positions our trainer cut a drafter's sequences to (``max_tokens`` in the ``metrics.json`` it wrote beside
+    the weights), which its drafter reads at most (``EagleDrafter._root``, ``ModelDrafter.propose``); None for one
+    trained elsewhere. After ~2,000 positions of chat the shipped EAGLE head, trained on 512, drafted better from the
+    text's last 256-512 positions alone (greedy chains of 4: 2.65 tokens a pass against 2.13), as well as cheaper."""
+    path = Path(folder) / "metrics.json"
+    try:
+        return int(json.loads(path.read_text())["config"]["max_tokens"]) if path.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        return None

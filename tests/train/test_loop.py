@@ -88,6 +88,7 @@ def test_training_lowers_the_loss_and_reloads(tmp_path, corpus, target_model, ki
             draft = load_draft_lm(tmp_path / kind, target_model)
             again = load_draft_lm(tmp_path / kind, target_model)
             assert torch.equal(draft.model(prompt).logits, again.model(prompt).logits)
+            assert draft.window == metrics["config"]["max_tokens"]  # (what its drafter reads at most)
             if "draft_vocab" in extra:
                 assert draft.model(prompt).logits.shape[-1] == extra["draft_vocab"] == len(draft.vocab)
             drafter = ModelDrafter(draft.model, V, draft.vocab)
