@@ -139,7 +139,7 @@ class Profile:
         Why the narrower widths: priced at the band's narrowest settled width (``_lookup``'s rule for a size below
         every measured one), a band whose first passes verified drafts priced a 1-token pass as dear as a 4-token
         one, so its rows drafted at every step, and a 1-token pass there was never run, so never measured: after
-        ~2,300 positions of chat the default job decoded at 0.57-0.86x AR, drafting at every step."""
+        ~2,300 positions of chat the default job decoded at 0.49-0.86x AR, drafting at every step."""
         band = context_band(context)
         costs = self._settled(TARGET, self.target)
         for shorter in sorted(b for b in self.longer if b <= band):

@@ -22,7 +22,8 @@ On a GPU a batch with no drafts at all (AR rows, and rows whose drafter the cost
 step ahead (``Engine.lookahead``): the next step is queued on the device, fed the tokens this one picks there,
 before this one's are read, so the host's work around a step overlaps the device's work on the one before.
 
-Rows join between steps (``add``/``add_many`` prefill their prompts together into free slots),
+Rows join between steps (``add``/``add_many`` prefill their prompts together into free slots, each from where
+it differs from the text its slot still holds: a chat's next turn computes only its new tokens),
 and each carries its own ``DecodeConfig`` (rule, divergence, threshold, sampling, length, seed,
 gamma schedule, tree shape) and random generator, so a row decodes as it would alone (exactly
 so in greedy mode, up to floating-point rounding). ``decode`` is a batch of one. FSD with
@@ -264,9 +265,9 @@ class Engine:
             prompt = job.input_ids[0, :length].tolist()
             best, start, features = None, 0, None
             for b in free:
-                held = self.cache.held[b] if b < self.cache.slots else None
                 if b in slots:
                     continue
+                held = self.cache.held[b] if b < self.cache.slots else None
                 shared, reach = 0, first
                 if held is not None:
                     shared = _shared(held.tokens.tolist(), prompt)
