@@ -121,10 +121,10 @@ class Profile:
     def target_ms(self, width: int, rows: int = 1, context: int = 0) -> float:
         """A forward of ``rows`` rows of ``width`` tokens; one row's after ``context`` positions. A row count not yet
         measured, or a width narrower than every one measured for it, is guessed at what one row of rows x width
-        tokens costs (until its own steps are measured). No
-        width costs more than a wider one measured: a pass over fewer tokens does no more work, so where one was
-        measured dearer, it met noise (a 2-token compiled step measured once at 7.2 ms beside a 4-token one's 6.4
-        priced 1-token chains out, and only what the planner runs is measured again)."""
+        tokens costs (until its own steps are measured). No width costs more than a wider one measured: a pass over
+        fewer tokens does no more work, so where one was measured dearer, it met noise (a 2-token compiled step
+        measured once at 7.2 ms beside a 4-token one's 6.4 priced 1-token chains out, and only what the planner runs
+        is measured again)."""
         measured = self._settled(_batch_key(rows), self.batches.get(rows, {})) if rows > 1 else {}
         if not measured or width < min(measured):  # (a narrower width as well: see ``_one_row`` for why)
             measured, width = self._one_row(context), width * rows

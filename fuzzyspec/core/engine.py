@@ -44,7 +44,7 @@ from .cost import COPY, Acceptance, Option, copy_length, draft_key, plan, popula
 from .draft import Budget, Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
-from .kvcache import Held, StaticCache, attention_mask, chain_tree, write_positions
+from .kvcache import Held, StaticCache, attention_mask, chain_tree, common_prefix, write_positions
 from .parallel import agree
 from .sampling import Sampling, sample
 from .scoring import TokenLogprob, log_probs, token_logprobs
@@ -189,7 +189,7 @@ class Engine:
         longest = max(job.input_ids.shape[1] + job.config.max_new_tokens for job in jobs)
         if self.cache is None:  # (borrowed first: what its free slots hold decides where the rows go)
             self._reserve(len(jobs), longest + 1)
-        slots, starts, lent = self._seat(jobs)
+        slots, starts, lent = self._seat(jobs, prompts)
         width = max(job.input_ids.shape[1] - 1 - start for job, start in zip(jobs, starts))
         self._reserve(1 + max(slots), max(longest, max(starts) + width) + 1)
         readers = [job.drafter for job in jobs if job.drafter is not None and job.drafter.wants_target_features]
@@ -247,7 +247,8 @@ class Engine:
             capacity *= 2
         self.cache.grow(slots, capacity)
 
-    def _seat(self, jobs: list[Job]) -> tuple[list[int], list[int], list[tuple[int, Tensor] | None]]:
+    def _seat(self, jobs: list[Job], prompts: list[Tensor]
+              ) -> tuple[list[int], list[int], list[tuple[int, Tensor] | None]]:
         """Each job's slot, how many of its prompt's first positions the slot already holds (``StaticCache.held``: a
         chat's next turn begins with the last one's prompt and answer), and the target features it holds that the
         job's drafter reads among those (from where, and they): the free slot that holds the most, else the first
@@ -258,11 +259,10 @@ class Engine:
         slots: list[int] = []
         starts: list[int] = []
         lent: list[tuple[int, Tensor] | None] = []
-        for job in jobs:
-            length = job.input_ids.shape[1] - 1  # (the prompt's newest token is fed at the first step)
+        for job, input_ids in zip(jobs, prompts):
+            length = input_ids.shape[1] - 1  # (the prompt's newest token is fed at the first step)
             drafter = job.drafter if job.drafter is not None and job.drafter.wants_target_features else None
             first = getattr(drafter, "first_feature", lambda n: 0)(length) if drafter is not None else length
-            prompt = job.input_ids[0, :length].tolist()
             best, start, features = None, 0, None
             for b in free:
                 if b in slots:
@@ -270,7 +270,7 @@ class Engine:
                 held = self.cache.held[b] if b < self.cache.slots else None
                 shared, reach = 0, first
                 if held is not None:
-                    shared = _shared(held.tokens.tolist(), prompt)
+                    shared = common_prefix(held.tokens[None], input_ids[:, :length])
                     if drafter is not None and held.features is not None and held.since <= first and \
                             held.layers == tuple(drafter.feature_layers):
                         reach = max(first, min(held.since + held.features.shape[1], length))
@@ -647,11 +647,6 @@ def _finish(pending: dict[int, Pending]) -> dict[int, Verdict]:
         verdicts[b] = entry.finish(values[start: start + count])
         start += count
     return verdicts
-
-
-def _shared(held: list[int], prompt: list[int]) -> int:
-    """How many first tokens the two have in common."""
-    return next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
 
 
 def _check(job: Job) -> None:

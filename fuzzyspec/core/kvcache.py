@@ -82,9 +82,10 @@ class StaticCache:
         """Empty every slot, in place (the tensors keep their addresses), but for what ``held`` says a slot
         holds. Zeroed past that, so that nothing a former row left (not even a NaN) can reach a masked-out
         product."""
+        holding = any(held is not None for held in self.held)
         with torch.inference_mode():  # (the engine makes its caches in inference mode)
             for tensor in (*self.keys, *self.values):
-                if not any(held is not None for held in self.held):
+                if not holding:
                     tensor.zero_()
                     continue
                 for slot, held in enumerate(self.held):
@@ -235,6 +236,14 @@ HEAD_CAPACITY = 256
 def _room(end: int) -> int:
     """The capacity that holds ``end`` positions: a power of two, at least ``HEAD_CAPACITY``."""
     return max(HEAD_CAPACITY, 1 << max(end - 1, 0).bit_length())
+
+
+def common_prefix(a: Tensor, b: Tensor) -> int:
+    """Length of the longest common prefix of two [1, L] token tensors (what a cache of ``a`` still holds of
+    ``b``)."""
+    n = min(a.shape[1], b.shape[1])
+    same = (a[0, :n] == b[0, :n]).long()
+    return int(same.cumprod(0).sum())
 
 
 def crop_to(cache: DynamicCache | DraftCache | HeadCache, length: int) -> None:

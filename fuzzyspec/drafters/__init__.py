@@ -9,7 +9,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "Drafter": "..core.draft", "BaseDrafter": "..core.draft", "Budget": "..core.draft", "Draft": "..core.draft",
-    "draft_chain": ".chain", "common_prefix": ".chain", "ModelDrafter": ".model", "LookupDrafter": ".lookup",
+    "draft_chain": ".chain", "common_prefix": "..core.kvcache", "ModelDrafter": ".model", "LookupDrafter": ".lookup",
     "EagleDrafter": ".eagle", "load_drafter": ".registry", "describe": ".registry", "DrafterSource": ".registry",
 }
 __all__ = list(_EXPORTS)

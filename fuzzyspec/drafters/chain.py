@@ -11,13 +11,6 @@ from ..core.sampling import Sampling
 from ..core.vocab import DraftVocab
 
 
-def common_prefix(a: Tensor, b: Tensor) -> int:
-    """Length of the longest common prefix of two [1, L] token tensors."""
-    n = min(a.shape[1], b.shape[1])
-    same = (a[0, :n] == b[0, :n]).long()
-    return int(same.cumprod(0).sum())
-
-
 def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], budget: Budget, sampling: Sampling,
                 generator: torch.Generator | None, vocab: DraftVocab | None = None) -> Draft:
     """Draft up to ``budget.tokens`` tokens one after another: pick a token from ``logits`` ([1, N]), then

@@ -12,11 +12,11 @@ from transformers import PreTrainedModel
 
 from ..core.draft import BaseDrafter, Budget, Draft
 from ..core.host import upload
-from ..core.kvcache import crop_to
+from ..core.kvcache import common_prefix, crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import reduced_lm_head
 from ..train.config import trained_length
-from .chain import common_prefix, draft_chain
+from .chain import draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from .eagle_head import EagleHead, load_head
 from .head_step import head_step

@@ -6,10 +6,10 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from ..core.draft import BaseDrafter, Budget, Draft
-from ..core.kvcache import cache_keyword, crop_to
+from ..core.kvcache import cache_keyword, common_prefix, crop_to
 from ..core.sampling import Sampling
 from ..core.vocab import DraftVocab
-from .chain import common_prefix, draft_chain
+from .chain import draft_chain
 
 
 class ModelDrafter(BaseDrafter):
