@@ -150,12 +150,17 @@ class ModelPair:
                 on_text(delta)
             return stream.stopped
 
-        tokens, stats = decode(self.step, drafter, input_ids, config, self.vocab_size, on_tokens)
+        # Where no one reads the text as it comes and no stop string can end it, it is decoded once at the end:
+        # a step's two detokenizations are host time that a GPU step, queued ahead, would otherwise wait for.
+        watched = on_text is not None or bool(stream.stop)
+        tokens, stats = decode(self.step, drafter, input_ids, config, self.vocab_size, on_tokens if watched else None)
         self.save_profile()
+        token_list = tokens[0].tolist()
+        if not watched:
+            stream.push(token_list)
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)
-        token_list = tokens[0].tolist()
         ended = stream.stopped or (bool(token_list) and token_list[-1] in config.eos_token_ids)
         return Result(stream.text, token_list, stats, "stop" if ended else "length")
 

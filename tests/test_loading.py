@@ -4,6 +4,7 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.api import ModelPair
 from fuzzyspec.loading import LoadError, load_model, resolve_dtype, shared_vocab_size
+from fuzzyspec.text import TextStream
 
 
 def test_padding_rows_are_fine(tiny_dirs):
@@ -24,6 +25,23 @@ def test_pair_generates_with_chat_template(tiny_dirs):
     assert "".join(pieces) == result.text
     assert result.stats.new_tokens == len(result.tokens) <= 9
     assert result.finish_reason in ("stop", "length")
+
+
+def test_an_unwatched_answer_is_decoded_once_with_the_same_text(tiny_dirs, monkeypatch):
+    pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], dtype="float32")
+    pieces = []
+    streamed = pair.generate("hello", method="sd", max_new_tokens=12, on_text=pieces.append)
+    pushes = []
+    push = TextStream.push
+    monkeypatch.setattr(TextStream, "push", lambda self, tokens: pushes.append(len(tokens)) or push(self, tokens))
+    quiet = pair.generate("hello", method="sd", max_new_tokens=12)
+    assert quiet.text == streamed.text == "".join(pieces) and quiet.tokens == streamed.tokens
+    assert pushes == [len(quiet.tokens)]  # one push at the end, none a step
+    # a stop string is watched for as the answer comes, with or without a reader
+    stop = streamed.text[len(streamed.text) // 2:][:3]
+    assert stop.strip()
+    cut = pair.generate("hello", method="sd", max_new_tokens=12, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == streamed.text[: streamed.text.find(stop)]
 
 
 def test_dtype_choice():
