@@ -18,7 +18,8 @@ alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``
 pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike after any context, as before
 ``cost.context_band``), ``nowindow`` (the EAGLE head reading the whole text, however long, as before
 ``drafters.eagle.trained_length``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
-target's float16 cache, 2026-11-27); ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``,
+target's float16 cache, 2026-11-27), ``head2``, ``head3`` (the default job drafting with the EAGLE head in
+``--head DIR;DIR3``, loaded as the shipped one is, each a job of its own: two heads compared alike); ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``,
 ``ar+unfused``, ``ar+f32cache``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
 is the planner as shipped.
 
@@ -31,7 +32,7 @@ Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps 
 prompt category, and each variant's profile at the end; and the CPU's instruction sets.
 
 Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24] [--context 0 [--mixed]]
-           [--variants ar,meanfold+w2m95+p6+k15,default,chain1]
+           [--variants ar,meanfold+w2m95+p6+k15,default,chain1] [--head DIR[;DIR3]]
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
-OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache"}  # parts that build a job of their own
+OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}  # parts that build a job of their own
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -171,6 +172,8 @@ def main() -> None:
     parser.add_argument("--variants", default="ar,meanfold+w2m95+p6+k15,default,chain1")
     parser.add_argument("--context", type=int, default=0, help="tokens of earlier chat turns before each prompt")
     parser.add_argument("--mixed", action="store_true", help="with --context: only every other prompt in a chat")
+    parser.add_argument("--head", default=None, help="DIR[;DIR3]: variant parts head2 (head3): the default job "
+                        "drafting with the EAGLE head in DIR (DIR3)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
@@ -207,6 +210,13 @@ def main() -> None:
                 float_cache.cache_dtype = torch.float32
             variant_step = float_cache
         variant_head = four_bit(head) if "q4head" in parts else head
+        chosen = [n for n, part in enumerate(("head2", "head3")) if part in parts]
+        if chosen:  # another head folder, loaded in the target's form as the shipped one is
+            folders = (args.head or "").split(";")
+            if len(folders) <= chosen[0] or not folders[chosen[0]]:
+                raise SystemExit("head2 needs --head DIR, head3 --head DIR;DIR3")
+            variant_head = pair.with_drafter(f"eagle:{folders[chosen[0]]}").draft.module
+            variant_head.shipped_window = variant_head.window
         if variant_head is not head:
             HEADS.append(variant_head)
         logits = head_logits(variant_head, pair.target)
@@ -229,7 +239,7 @@ def main() -> None:
         jobs[variant] = ModelPair(pair.target, pair.tokenizer,
                                   DrafterSource(source.name, variant_head, make, drafts_trees=True,
                                                 prepare=head_step(variant_head, embed).prepare
-                                                if "q4head" in parts else None),
+                                                if {"q4head", "head2", "head3"} & set(parts) else None),
                                   variant_step, None)
     prompts = chats(everyday(args.prompts), pair.tokenizer, args.context, args.mixed)
     encoded = [job.encode(prompt) for _, prompt in prompts]  # (a long chat's template takes a while: once)

@@ -3,8 +3,9 @@
     python scripts/export_training_inputs.py OUT_DIR
 
 prompts-train.jsonl / prompts-held_out.jsonl: the first user message of every ShareGPT training
-conversation, and of 400 held-out ones; sharegpt-train-512.npz: the training conversations rendered
-with the target's chat template (for the ablation run that trains on ShareGPT's own answers).
+conversation, and of 400 held-out ones; sharegpt-train-512.npz / sharegpt-held_out-512.npz: the training
+and held-out conversations rendered with the target's chat template (the EAGLE head's data, and the
+ablation run that trains on ShareGPT's own answers; `fuzzyspec train --data/--eval-data` read them).
 """
 import json
 import sys
@@ -23,4 +24,6 @@ for split, limit in (("train", None), ("held_out", 400)):
         for prompt in training_prompts("sharegpt", limit, split):
             file.write(json.dumps({"prompt": prompt}) + "\n")
 tokenizer = AutoTokenizer.from_pretrained(embedded_folder())
-load_data("sharegpt", tokenizer, "train", 512).save(out / "sharegpt-train-512.npz")
+for split in ("train", "held_out"):
+    load_data("sharegpt", tokenizer, split, 512).save(out / f"sharegpt-{split}-512.npz")
+
