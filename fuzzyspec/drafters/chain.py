@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..core.draft import Budget, Draft
-from ..core.sampling import Sampling
+from ..core.sampling import Sampling, argmax
 from ..core.vocab import DraftVocab
 
 
@@ -24,7 +24,7 @@ def draft_chain(logits: Tensor, advance: Callable[[Tensor], Tensor], budget: Bud
         probs = sampling.probs(logits) if needs_probs else None
         if tokens and budget.min_confidence and probs.max() < budget.min_confidence:
             break
-        token = (logits.argmax(-1) if likeliest else sampling.pick(logits, probs, generator)).unsqueeze(1)
+        token = (argmax(logits) if likeliest else sampling.pick(logits, probs, generator)).unsqueeze(1)
         if vocab is not None:
             token = vocab.to_target(token)
         tokens.append(token)
