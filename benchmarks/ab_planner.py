@@ -19,9 +19,9 @@ pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike af
 ``cost.context_band``), ``nowindow`` (the EAGLE head reading the whole text, however long, as before
 ``drafters.eagle.trained_length``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
 target's float16 cache, 2026-11-27), ``head2``, ``head3`` (the default job drafting with the EAGLE head in
-``--head DIR;DIR3``, loaded as the shipped one is, each a job of its own: two heads compared alike); ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``,
-``ar+unfused``, ``ar+f32cache``). The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default``
-is the planner as shipped.
+``--head DIR;DIR3``, loaded as the shipped one is, each a job of its own: two heads compared alike);
+``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``, ``ar+f32cache``).
+The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
 With ``--context N`` each everyday prompt is asked as the last turn of a long chat: after whole exchanges of held-out
 ShareGPT conversations (ones no drafter trained on, ``data.is_held_out``) worth about N tokens, a different chat for
@@ -67,7 +67,8 @@ SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
-OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}  # parts that build a job of their own
+# parts that build a job of their own
+OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
