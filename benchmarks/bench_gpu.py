@@ -10,9 +10,11 @@ answers are counted and printed).
 
 Rows: HF generate (eager, dynamic cache), HF generate with its static cache (which transformers compiles itself
 on a GPU, with CUDA graphs); our AR eager, compiled,
-and compiled with CUDA graphs (``TargetStep(graphs=...)``), the last also not run one step ahead (without
-``Engine.lookahead``) and with the q, k, v (gate, up) products apart, as before they were fused; chain sd with the draft model; EAGLE-2 trees sd at
-a constant size; the default job (cost-planned EAGLE-2 trees, lossless); chain fsd and fsd-hybrid (js, T = 0.3).
+and compiled with CUDA graphs (``TargetStep(graphs=...)``, captured by ``core.graphs``), the last also not run one
+step ahead (without ``Engine.lookahead``), with the q, k, v (gate, up) products apart, as before they were fused,
+and with inductor's CUDA graphs ("reduce-overhead"), as steps were captured before 2026-11-27; chain sd with the
+draft model; EAGLE-2 trees sd at a constant size (also on inductor's graphs, the head's steps included); the default
+job (cost-planned EAGLE-2 trees, lossless); chain fsd and fsd-hybrid (js, T = 0.3).
 Drafting rows run on the CUDA-graph step. For each: tokens/s, ms per target pass, tokens per pass; for AR the
 fraction of the memory-bandwidth limit (weight bytes read per step over the copy bandwidth measured on this
 device: a step cannot be faster than reading every weight once); and, for the drafting rows, the acceptance
@@ -26,6 +28,10 @@ Usage: python benchmarks/bench_gpu.py [--sets random,embedded] [--prompts 4] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
+import pstats
 import json
 import time
 import traceback
@@ -39,16 +45,18 @@ from bench_step import everyday
 from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
 from fuzzyspec.core import engine as engine_module
-from fuzzyspec.core.step import TargetStep
+from fuzzyspec.core.step import Compiled, TargetStep
 from fuzzyspec.drafters.draftlm import DraftLM
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits
 from fuzzyspec.drafters.eagle_head import EagleHead
+from fuzzyspec.drafters.head_step import HeadStep, head_step
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.registry import DrafterSource
 from fuzzyspec.loading import embedded_folder
 
-# label -> (step: "hf", "hf-static", "eager", "compiled", "graphs", "apart"; drafter; decoding options); "apart":
-# graphs with q, k, v (gate, up) as separate products, as before ``step.fuse_float_projections``
+# label -> (step: "hf", "hf-static", "eager", "compiled", "graphs", "apart", "inductor"; drafter; decoding options);
+# "apart": graphs with q, k, v (gate, up) as separate products, as before ``step.fuse_float_projections``;
+# "inductor": inductor's own CUDA graphs (``InductorGraphs``), for the target's steps and an EAGLE head's``
 
 ROWS = {
     "HF generate, eager": ("hf", None, None),
@@ -58,13 +66,45 @@ ROWS = {
     "our AR, compiled + CUDA graphs": ("graphs", None, {"method": "ar"}),
     "our AR, graphs, not run ahead": ("graphs", None, {"method": "ar", "lookahead": False}),
     "our AR, graphs, projections apart": ("apart", None, {"method": "ar"}),
+    "our AR, inductor's graphs": ("inductor", None, {"method": "ar"}),
     "chain sd, draft model": ("graphs", "draft", {"method": "sd", "gamma_schedule": "constant"}),
     "EAGLE-2 trees sd, constant": ("graphs", "eagle", {"method": "sd", "tree": True, "gamma_schedule": "constant"}),
+    "EAGLE-2 trees sd, constant, inductor's graphs": ("inductor", "eagle", {"method": "sd", "tree": True,
+                                                                          "gamma_schedule": "constant"}),
     "default job (planned EAGLE-2 trees sd)": ("graphs", "eagle", {"method": "sd", "tree": True}),
     "chain fsd js 0.3": ("graphs", "draft", {"method": "fsd", "threshold": 0.3, "gamma_schedule": "constant"}),
     "chain fsd-hybrid js 0.3": ("graphs", "draft", {"method": "fsd-hybrid", "threshold": 0.3,
                                                     "gamma_schedule": "constant"}),
 }
+
+
+class InductorGraphs(Compiled):
+    """Compiled steps as they were captured before 2026-11-27: inductor's "reduce-overhead" mode (its CUDA graph
+    trees, behind dynamo's cache lookup on every call), kept to compare with ``core.graphs``."""
+
+    def __init__(self, function, device: torch.device) -> None:
+        super().__init__(function, device)
+        self.function = torch.compile(function, dynamic=False, mode="reduce-overhead")
+
+    def __call__(self, key: tuple, *arguments):
+        torch.compiler.cudagraph_mark_step_begin()  # what the last replay returned is no longer read
+        return super().__call__(key, *arguments)
+
+
+class InductorHead:
+    """While entered, an EAGLE head's step (shared by its drafters) runs on ``InductorGraphs``."""
+
+    def __init__(self, step) -> None:
+        self.step, self.graphs, self.ours = step, None, None
+
+    def __enter__(self) -> None:
+        self.ours = self.step._compiled
+        if self.graphs is None:
+            self.graphs = InductorGraphs(self.step.forward, self.step.device)
+        self.step._compiled = self.graphs
+
+    def __exit__(self, *exc) -> None:
+        self.step._compiled = self.ours
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -157,9 +197,17 @@ class SyncedJudge:
 
 
 def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str], tokens: int,
-            bandwidth: float) -> list[dict]:
+            bandwidth: float, profile: list[str] = ()) -> list[dict]:
     steps = {"eager": TargetStep(pair.target), "compiled": TargetStep(pair.target, compile=True, graphs=False),
-             "graphs": TargetStep(pair.target, compile=True), "apart": TargetStep(pair.target, compile=True)}
+             "graphs": TargetStep(pair.target, compile=True), "apart": TargetStep(pair.target, compile=True),
+             "inductor": TargetStep(pair.target, compile=True)}
+    if steps["inductor"].graphs:
+        steps["inductor"]._compiled = InductorGraphs(steps["inductor"].forward, device)
+    else:  # (no GPU: the row is the compiled one again)
+        del steps["inductor"]
+    eagle = pair.drafts.get("eagle")
+    head = head_step(eagle.module, pair.target.get_input_embeddings()) if eagle is not None else None
+    inductor_head = InductorHead(head) if isinstance(head, HeadStep) and head.graphs else contextlib.nullcontext()
     forward = steps["apart"].forward
     if hasattr(forward, "qkv"):
         forward.qkv, forward.gate_up = [None] * len(forward.qkv), [None] * len(forward.gate_up)
@@ -181,7 +229,8 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
     pairs = {label: ModelPair(pair.target, pair.tokenizer, pair.drafts[draft] if draft else None, steps[kind])
              for label, (kind, draft, _) in ROWS.items() if kind in steps}
     results = {label: {"seconds": 0.0, "tokens": 0, "passes": 0, "warm_s": 0.0} for label in ROWS}
-    failed: dict[str, str] = {}
+    failed = {label: "needs a GPU (inductor's CUDA graphs)" for label, (kind, _, options) in ROWS.items()
+              if options is not None and kind not in steps}
 
     def answer(label: str, ids: torch.Tensor, count: int) -> tuple[int, int]:
         kind, _, options = ROWS[label]
@@ -192,7 +241,8 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
         options = dict(options)
         engine_module.LOOKAHEAD = options.pop("lookahead", None)  # (None: the engine's default)
         try:
-            result = pairs[label].generate(ids, max_new_tokens=count, eos_token_ids=(), **options)
+            with inductor_head if kind == "inductor" else contextlib.nullcontext():
+                result = pairs[label].generate(ids, max_new_tokens=count, eos_token_ids=(), **options)
         finally:
             engine_module.LOOKAHEAD = None
         return result.stats.new_tokens, result.stats.target_forwards
@@ -212,7 +262,7 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
 
     encoded = [pair.encode(prompt) for prompt in prompts]
     print(f"  [{name}] warming up (compiling) ...", flush=True)
-    for label in ROWS:
+    for label in (label for label in ROWS if label not in failed):
         took = timed(label, encoded[0])
         if took is not None:
             results[label]["warm_s"] = took[0]
@@ -239,6 +289,18 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             took = timed(label, encoded[0])
         if took is not None:
             accept_share[label] = judge.seconds / took[0]
+    for label in profile:  # where the host spends a row's answer
+        if label in ROWS and label not in failed:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            took = timed(label, encoded[0])
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(28)
+            lines = [line for line in text.getvalue().splitlines() if line.strip()][3:]
+            print(f"  [{name}] {label}: host by own time, one answer of {took[1] if took else '?'} tokens in "
+                  f"{took[2] if took else '?'} passes (cProfile; its overhead inflates every figure):", flush=True)
+            print("\n".join("     " + line[:150] for line in lines), flush=True)
     limit = bandwidth / weight_bytes(pair.target)  # steps per second if a step only read the weights
     table = []
     for label, total in results.items():
@@ -267,6 +329,8 @@ def main() -> None:
     parser.add_argument("--rows", default=None, help="row labels separated by ';' (default: every row)")
     parser.add_argument("--tokenizer", default=None, help="the random set's tokenizer folder (default: the embedded one)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", default="", help="row labels separated by ';': where the host spends one more "
+                                                       "answer of each (cProfile)")
     args = parser.parse_args()
     if args.rows:
         for label in list(ROWS):
@@ -288,7 +352,8 @@ def main() -> None:
         print(f"\n{name}: target {sum(held.values()) / 1e6:.0f} M parameters, "
               f"{weight_bytes(pair.target) / 1e9:.2f} GB read per step, {pair.target.dtype}; loaded in "
               f"{time.perf_counter() - clock:.0f} s", flush=True)
-        rows = run_set(name, pair, device, prompts, args.tokens, bandwidth)
+        rows = run_set(name, pair, device, prompts, args.tokens, bandwidth,
+                       [label for label in args.profile.split(";") if label])
         ar = {row["row"]: row.get("tokens_per_s") for row in rows}
         best_ar = max((rate for label, rate in ar.items() if label.startswith("our AR") and rate), default=None)
         for row in rows:

@@ -140,7 +140,7 @@ def compiled() -> None:
     # a scripted schedule: two plans holding the row back (its steps run ahead on a GPU, feeding the head the
     # target's features), then one drafting 2 tokens
     sizes, planned = itertools.cycle([0, 0, 2]), engine_module.plan
-    engine_module.plan = lambda options, *_: [(next(sizes), 1)] * len(options)
+    engine_module.plan = lambda options, *_, **__: [(next(sizes), 1)] * len(options)
     try:
         config = DecodeConfig(method="sd", gamma=3, gamma_schedule="cost", max_new_tokens=300)
         for label, step in (("eager", eager), ("graphs", graphs)):

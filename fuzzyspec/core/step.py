@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import kernels
 from .attention import attend, runs as attention_runs
 from .cost import Profile
+from .graphs import Graphs
 from .int4 import holds_blocks, projection_groups
 from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
@@ -405,9 +407,9 @@ CPU_INDUCTOR = {"cpp_wrapper": True, "size_asserts": False}
 
 class Compiled:
     """``function`` compiled as steps are (the target's, an EAGLE head's): one graph per shape (``dynamic=False``;
-    a caller may mark a dimension dynamic), on a GPU captured as CUDA graphs where ``graphs`` (inductor's
-    "reduce-overhead"; a caller copies what it keeps of the outputs before the next call, whose replay overwrites
-    them)."""
+    a caller may mark a dimension dynamic), on a GPU captured as CUDA graphs where ``graphs`` (``core.graphs``:
+    captured by our own hand, replayed without dynamo; a caller copies what it keeps of the outputs before the
+    next call, whose replay overwrites them)."""
 
     def __init__(self, function: Callable, device: torch.device, graphs: bool = False) -> None:
         import torch._dynamo.config as dynamo
@@ -422,12 +424,9 @@ class Compiled:
         dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
         # (caches' tensors are marked static, ``kvcache._static``: graphs write into them in place)
-        self.graphs = graphs
-        if graphs:
-            self.function = torch.compile(function, dynamic=False, mode="reduce-overhead")
-        else:
-            options = CPU_INDUCTOR if device.type == "cpu" else None
-            self.function = torch.compile(function, dynamic=False, options=options)
+        options = CPU_INDUCTOR if device.type == "cpu" else None
+        self.function = torch.compile(function, dynamic=False, options=options)
+        self.graphs = Graphs() if graphs else None
         self.seen: set[tuple] = set()  # the keys of the calls run so far
         self.compiling = False  # whether the last call may have compiled a graph
 
@@ -437,11 +436,15 @@ class Compiled:
         weights); a call whose key was seen before checks only the guards that tell the graphs apart. Where those
         find no graph (something the key does not hold changed), dynamo refuses rather than guess, and the call
         runs fully checked."""
+        if self.graphs is not None:
+            result, self.compiling = self.graphs(key, partial(self._checked, key), arguments)
+            return result
+        self.compiling = key not in self.seen
+        return self._checked(key, *arguments)
+
+    def _checked(self, key: tuple, *arguments):
         seen = key in self.seen
         self.seen.add(key)
-        self.compiling = not seen
-        if self.graphs:  # each call is a new run of the graphs: what the last one returned is no longer read
-            torch.compiler.cudagraph_mark_step_begin()
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=seen):
                 return self.function(*arguments)

@@ -78,7 +78,9 @@ class EagleDrafter(BaseDrafter):
         self._head_logits = logits or head_logits(head, target)
 
     def reset(self) -> None:
-        self.cache = self.step.new_cache()
+        if getattr(self, "cache", None) is None:
+            self.cache = self.step.borrow_cache(self)
+        crop_to(self.cache, 0)
         self.features: Tensor | None = None  # true target features of positions since .. known - 1, then room
         self.known = 0
         self.since = math.inf  # (a row whose prompt's start its slot held is given features from a later position)

@@ -42,6 +42,9 @@ class ModuleStep:
     def new_cache(self) -> DraftCache:
         return DraftCache()
 
+    def borrow_cache(self, owner: object) -> DraftCache:
+        return DraftCache()
+
     def __call__(self, cache: DraftCache, tokens: Tensor, features: Tensor, positions: Tensor | None = None,
                  allowed: Tensor | None = None, compiled: bool = False) -> Tensor:
         embeds = self.embed(tokens)
@@ -61,6 +64,7 @@ class HeadStep:
         self.dtype, self.device = weight.dtype, weight.device
         self.graphs = weight.device.type == "cuda"
         self._compiled: Compiled | None = None  # its calls keyed by (width, features' dtype)
+        self._free: list[HeadCache] = []  # caches whose drafters are gone (``borrow_cache``)
 
     @staticmethod
     def supports(head: nn.Module) -> bool:
@@ -69,6 +73,15 @@ class HeadStep:
 
     def new_cache(self, capacity: int = 0) -> HeadCache:
         return HeadCache(self.heads.kv, self.heads.dim, self.dtype, self.device, capacity)
+
+    def borrow_cache(self, owner: object) -> HeadCache:
+        """An empty cache for ``owner`` (a drafter), given back when ``owner`` is collected: one whose drafter
+        is gone where there is one. Its tensors keep their addresses, so the CUDA graphs captured over them
+        (``core.graphs``) serve the next answer too, where a new cache's would be captured again."""
+        cache = self._free.pop() if self._free else self.new_cache()
+        cache.length = 0
+        weakref.finalize(owner, self._free.append, cache)
+        return cache
 
     def forward(self, keys: Tensor, values: Tensor, tokens: Tensor, features: Tensor, positions: Tensor,
                 write: Tensor, mask: Tensor) -> Tensor:

@@ -92,3 +92,25 @@ def test_head_step_in_bfloat16_runs_through_pytorchs_attention(model, head):
         theirs = calls(ModuleStep(draft, embed), DraftCache(), tokens, features.bfloat16(), False)
     for a, b in zip(ours, theirs):
         assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02), (a - b).abs().max()
+
+
+def test_a_gone_drafters_cache_serves_the_next_one(model, head):
+    """CUDA graphs are captured over a cache's tensors: a new answer's drafter gets a cache whose drafter is gone
+    (same tensors, emptied), not new ones; drafters alive together never share one."""
+    import gc
+
+    class Owner:
+        pass
+
+    step = HeadStep(head, model.get_input_embeddings())
+    first, second = Owner(), Owner()
+    a, b = step.borrow_cache(first), step.borrow_cache(second)
+    assert a is not b
+    a.length = 7
+    keys = a.keys.data_ptr()
+    del first
+    gc.collect()
+    third = Owner()
+    c = step.borrow_cache(third)
+    assert c is a and c.length == 0 and c.keys.data_ptr() == keys
+    assert step.borrow_cache(Owner()) is not b  # (b's owner is alive)

@@ -1,0 +1,31 @@
+"""Which of a captured call's tensors are copied in before each replay, and which it keeps reading in place.
+(Capture and replay themselves need a GPU: benchmarks/cuda_check.py checks them against eager steps.)"""
+import pytest
+import torch
+
+from fuzzyspec.core.graphs import split
+from fuzzyspec.core.kvcache import StaticCache
+
+
+def _marked(tensor: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
+def test_a_caches_tensors_last_and_a_steps_inputs_move():
+    cache = StaticCache(2, kv_heads=1, head_dim=4, slots=1, capacity=8, dtype=torch.float32, device="cpu")
+    keys, values = _marked(torch.zeros(1, 8)), _marked(torch.zeros(1, 8))
+    tokens, mask = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 1, 2, 8, dtype=torch.bool)
+    moving, kept = split((cache, tokens, None, 3, (0, 1), mask))
+    assert moving == [1, 5]
+    assert [t.data_ptr() for t in kept] == [t.data_ptr() for t in (*cache.keys, *cache.values)]
+    moving, kept = split((keys, values, tokens, mask))
+    assert moving == [2, 3] and kept[0] is keys and kept[1] is values
+
+
+def test_a_tensor_hidden_in_a_container_is_refused():
+    with pytest.raises(TypeError, match="arguments of their own"):
+        split((torch.zeros(1), [torch.zeros(2)]))
+    with pytest.raises(TypeError):
+        split(({"x": torch.zeros(1)},))
+    assert split(((1, 2), [3], {"a": 1})) == ([], [])
