@@ -2,7 +2,8 @@
 fixed 1-token chain, every variant decoding every prompt in turn (interleaved, the starting one rotating), each
 with its own copy of the cost profile (measured as it runs, from the same start).
 
-A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), or ``+``-joined changes to the planner as
+A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), ``trees`` (every step a whole EAGLE-2 tree of
+the default size, unplanned), or ``+``-joined changes to the planner as
 shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
 EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``q4head`` (its
 EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``planN`` (the draft sizes planned every N steps;
@@ -17,9 +18,11 @@ alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``
 --gamma allows, as before ``cost.copy_length``), ``nopace`` (each size's cost its own running median, no machine
 pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike after any context, as before
 ``cost.context_band``), ``nowindow`` (the EAGLE head reading the whole text, however long, as before
-``drafters.eagle.trained_length``), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit
-target's float16 cache, 2026-11-27), ``head2``, ``head3`` (the default job drafting with the EAGLE head in
-``--head DIR;DIR3``, loaded as the shipped one is, each a job of its own: two heads compared alike);
+``drafters.eagle.trained_length``), ``indexkeep`` (a tree's kept path moved in the target's cache by two indexing
+operations a layer's tensor, as before ``layer_kernel.cpp``'s ``keep_columns``, 2026-11-27), ``f32cache`` (the
+target's keys and values cached in float32, as before a 4-bit target's float16 cache, 2026-11-27), ``head2``,
+``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
+job of its own: two heads compared alike);
 ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``, ``ar+f32cache``).
 The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
@@ -41,6 +44,7 @@ import copy
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -50,7 +54,7 @@ from bench_step import everyday  # noqa: E402 (this folder's module)
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
-from fuzzyspec.core import cost, engine, int4, step as step_module  # noqa: E402
+from fuzzyspec.core import cost, engine, int4, kvcache, step as step_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.data import is_held_out, read_sharegpt  # noqa: E402
@@ -66,6 +70,7 @@ POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
+SHIPPED_KERNELS = kvcache.kernels
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
 OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}
@@ -97,6 +102,7 @@ def apply(variant: str) -> dict:
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
     step_module._fused = SHIPPED_FUSED
     engine.copy_length = SHIPPED_COPY_LENGTH
+    kvcache.kernels = SHIPPED_KERNELS
     for head in HEADS:
         head.window = head.shipped_window
     options = {}
@@ -106,6 +112,8 @@ def apply(variant: str) -> dict:
             continue
         if part.startswith("chain") and part[5:].isdigit():  # every step an N-token chain
             options |= {"tree": False, "gamma": int(part[5:]), "gamma_schedule": "constant", "method": "sd"}
+        elif part == "trees":  # every step a whole tree of the default size
+            options |= {"tree": True, "gamma_schedule": "constant", "method": "sd"}
         elif part in OWN_JOB:
             continue  # (its own job: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
@@ -118,6 +126,8 @@ def apply(variant: str) -> dict:
             engine.copy_length = lambda acceptance, profile, cap, *shape: cap
         elif part == "nopace":  # each size's cost its own running median, no pace, as before 2026-11-26 (late)
             cost.PACE_SHARE, cost.PACE_CLAMP = 0.0, cost.STRIDE
+        elif part == "indexkeep":  # kept paths moved by indexing, as before keep_columns (2026-11-27)
+            kvcache.kernels = types.SimpleNamespace(loaded=lambda: False)
         elif part == "chains":
             options["tree"] = False
         elif part == "nowindow":  # the head reads the whole text, as before its window (2026-11-27)

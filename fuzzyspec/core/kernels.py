@@ -5,7 +5,8 @@ It holds two kernels, each with one job:
 
 - ``int4_kernel.cpp``: products of activations with llama.cpp's 4-bit and 8-bit weight blocks (``core.int4``);
 - ``layer_kernel.cpp``: attention over a static cache one query at a time (``core.attention``), and an eager float32
-  step's RMSNorm, and its rotary embedding with the cache writes, one call each (``core.step``).
+  step's RMSNorm, and its rotary embedding with the cache writes, one call each (``core.step``); and a tree's kept
+  path moved down in every layer's cache, one call a step (``core.kvcache``).
 
 Both compute a token's result by the same operations whatever else is in its batch, which is what lets a pass
 that verifies several drafted tokens give each the logits a one-token step would (``core.attention``).
@@ -119,6 +120,11 @@ def _build() -> str | None:
     torch.library.register_fake("fuzzyspec_attention::attend")(
         lambda query, keys, values, mask, scale: query.new_empty(query.shape))
     return None
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process already (asking builds nothing)."""
+    return _build.cache_info().currsize > 0 and _build() is None
 
 
 def available() -> bool:

@@ -513,6 +513,33 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return out;
 }
 
+// A tree's kept path moved down in one slot of every layer's cache, in one call: in each of ``caches`` ([slots,
+// kv_heads, capacity, D] of any dtype, D contiguous), position start + columns[i] goes to start + i. Columns ascend
+// and columns[i] >= i, so moving them in order never overwrites one still to be read. (In Python, two indexing
+// operations a tensor: 0.8 ms a tree step for the embedded model's 60 tensors on a 2-core EPYC.)
+void keep_columns(at::TensorList caches, int64_t slot, int64_t start, at::IntArrayRef columns) {
+  const int64_t count = static_cast<int64_t>(columns.size());
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(columns[i] >= i && (i == 0 || columns[i] > columns[i - 1]),
+                "keep_columns: columns ascending, each at or past its place");
+  for (const at::Tensor& t : caches) {  // (all checked before anything moves)
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1,
+                "keep_columns: CPU caches [slots, kv_heads, capacity, D], D contiguous");
+    TORCH_CHECK(slot >= 0 && slot < t.size(0) && start >= 0 && (count == 0 || start + columns[count - 1] < t.size(2)),
+                "keep_columns: a position past the cache");
+  }
+  for (const at::Tensor& t : caches) {
+    const int64_t size = t.element_size(), bytes = t.size(3) * size;
+    char* row = static_cast<char*>(t.data_ptr()) + slot * t.stride(0) * size;
+    for (int64_t h = 0; h < t.size(1); ++h) {
+      char* head = row + h * t.stride(1) * size;
+      for (int64_t i = 0; i < count; ++i)
+        if (columns[i] != i)
+          std::memcpy(head + (start + i) * t.stride(2) * size, head + (start + columns[i]) * t.stride(2) * size, bytes);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fuzzyspec_attention, m) {
@@ -525,9 +552,11 @@ TORCH_LIBRARY(fuzzyspec_layer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor where, Tensor write, int heads, int kv_heads) -> Tensor");
+  m.def("keep_columns(Tensor(a!)[] caches, int slot, int start, int[] columns) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_store", &rope_store);
+  m.impl("keep_columns", &keep_columns);
 }

@@ -114,3 +114,24 @@ def test_the_build_thread_leaves_the_import_system_alone():
              "assert seen == [True], seen\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_keep_columns_moves_a_kept_path_as_indexing_does(dtype):
+    """A tree's kept path, moved down in one slot of every layer's cache by one call, lands where indexing puts it;
+    other slots and positions are untouched; a path it cannot take is refused before anything moves."""
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.randn(3, 2, 40, 8, generator=generator).to(dtype) for _ in range(4)]
+    for slot, start, columns in [(1, 5, [0, 2, 3, 7]), (0, 0, [1]), (2, 20, [0, 1, 4, 5, 6, 12])]:
+        expected = [cache.clone() for cache in caches]
+        source = torch.tensor([start + column for column in columns])
+        for cache in expected:
+            cache[slot, :, start: start + len(columns)] = cache[slot, :, source]
+        torch.ops.fuzzyspec_layer.keep_columns(caches, slot, start, columns)
+        for ours, theirs in zip(caches, expected):
+            assert torch.equal(ours, theirs)
+    before = [cache.clone() for cache in caches]
+    for slot, start, columns in [(3, 0, [1]), (0, 35, [0, 5]), (0, 0, [2, 1]), (0, 0, [0, 0])]:
+        with pytest.raises(RuntimeError, match="keep_columns"):
+            torch.ops.fuzzyspec_layer.keep_columns(caches, slot, start, columns)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
