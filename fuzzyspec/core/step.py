@@ -304,8 +304,8 @@ class TargetStep:
     shapes (``compile``): a width is padded up to the next of ``widths`` and the rows to a power of two,
     so a handful of graphs serve every step. Prefills (prompts of any length) always run eagerly.
 
-    On a GPU a compiled step is also captured as CUDA graphs (``graphs``; inductor's "reduce-overhead"):
-    a small model's step is otherwise bound by launching its hundreds of kernels one by one from Python."""
+    On a GPU a compiled step is also captured as CUDA graphs (``graphs``; ``core.graphs``, by our own hand): a
+    small model's step is otherwise bound by launching its hundreds of kernels one by one from Python."""
 
     def __init__(self, model: nn.Module, compile: bool = False, own: bool = True,
                  widths: tuple[int, ...] | None = None, graphs: bool = True) -> None:
