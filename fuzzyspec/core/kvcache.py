@@ -18,8 +18,8 @@ Two rules keep compiled steps fast and safe:
 from __future__ import annotations
 
 import inspect
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch

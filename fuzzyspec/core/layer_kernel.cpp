@@ -525,7 +525,8 @@ void keep_columns(at::TensorList caches, int64_t slot, int64_t start, at::IntArr
   for (const at::Tensor& t : caches) {  // (all checked before anything moves)
     TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1,
                 "keep_columns: CPU caches [slots, kv_heads, capacity, D], D contiguous");
-    TORCH_CHECK(slot >= 0 && slot < t.size(0) && start >= 0 && (count == 0 || start + columns[count - 1] < t.size(2)),
+    TORCH_CHECK(slot >= 0 && slot < t.size(0) && start >= 0 &&
+                    (count == 0 || start + columns[count - 1] < t.size(2)),
                 "keep_columns: a position past the cache");
   }
   for (const at::Tensor& t : caches) {
@@ -535,7 +536,8 @@ void keep_columns(at::TensorList caches, int64_t slot, int64_t start, at::IntArr
       char* head = row + h * t.stride(1) * size;
       for (int64_t i = 0; i < count; ++i)
         if (columns[i] != i)
-          std::memcpy(head + (start + i) * t.stride(2) * size, head + (start + columns[i]) * t.stride(2) * size, bytes);
+          std::memcpy(head + (start + i) * t.stride(2) * size, head + (start + columns[i]) * t.stride(2) * size,
+                      bytes);
     }
   }
 }

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 import threading
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
