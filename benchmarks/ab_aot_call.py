@@ -8,7 +8,8 @@ each shape again; the head's capacity dimension is dynamic; the GPU path capture
 function (``core.graphs``).
 
 Prints each way's milliseconds a call (median of 40 calls, six rounds, and their minimum), the compile time of the
-direct way, whether both give the same logits, and the CPU's instruction sets.
+direct way, whether both give the same logits, and the CPU's instruction sets; then the same for the shipped EAGLE
+head's step (100 calls a round; the engine's way includes making its inputs, which the direct way is handed).
 
 Usage: python benchmarks/ab_aot_call.py [--width 1] [--form int4]
 """
@@ -63,6 +64,53 @@ def main() -> None:
             for name, call in calls.items():
                 times = []
                 for _ in range(40):
+                    clock = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - clock)
+                found[name].append(1000 * statistics.median(times))
+    for name, medians in found.items():
+        print(f"{name:<30} {' '.join(f'{ms:.3f}' for ms in medians)}  min {min(medians):.3f} ms", flush=True)
+    head_calls(pair, args.width)
+
+
+def head_calls(pair: ModelPair, width: int) -> None:
+    """The same comparison for the shipped EAGLE head's step (``HeadStep``: one decoder layer), after 99 cached
+    positions of a 256-position cache; its direct way compiled for that capacity alone (the engine's graph keeps the
+    capacity a symbol)."""
+    from fuzzyspec.core.kvcache import crop_to
+    from fuzzyspec.drafters.head_step import head_step
+
+    head = pair.with_drafter("default").draft.module
+    step = head_step(head, pair.target.get_input_embeddings())
+    cache = step.borrow_cache(step)
+    size = head.config.hidden_size
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 100, size, generator=generator).to(step.dtype)
+    tokens = torch.randint(0, 1000, (1, 101), generator=generator)
+    with torch.inference_mode():
+        step(cache, tokens[:, 1:100], features[:, :99], compiled=True)
+
+        def usual():
+            step(cache, tokens[:, 1: 1 + width], features[:, :width], compiled=True)
+            crop_to(cache, 99)
+        usual()
+        mask = torch.zeros(1, 1, width, cache.capacity, dtype=torch.bool)
+        mask[..., : 99 + width] = torch.ones(width, 99 + width, dtype=torch.bool).tril(99)
+        write = torch.arange(99, 99 + width)[None]
+        inputs = (cache.keys, cache.values, tokens[:, 1: 1 + width].clone(), features[:, :width].clone(), write.clone(),
+                  write, mask)
+        clock = time.perf_counter()
+        with torch._inductor.config.patch(freezing=False):
+            direct = torch.compile(step.forward, fullgraph=True, dynamic=False, options=CPU_INDUCTOR).aot_compile(
+                (inputs, {}))
+        print(f"\nEAGLE head, {width} token(s): aot_compile {time.perf_counter() - clock:.1f} s", flush=True)
+        direct.disable_guard_check()
+        found: dict[str, list[float]] = {"as the engine calls it": [], "aot_compile, no guard check": []}
+        for _ in range(6):
+            for name, call in (("as the engine calls it", usual),
+                               ("aot_compile, no guard check", lambda: direct(step, *inputs))):
+                times = []
+                for _ in range(100):
                     clock = time.perf_counter()
                     call()
                     times.append(time.perf_counter() - clock)
