@@ -18,9 +18,11 @@ alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``
 --gamma allows, as before ``cost.copy_length``), ``nopace`` (each size's cost its own running median, no machine
 pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike after any context, as before
 ``cost.context_band``), ``nowindow`` (the EAGLE head reading the whole text, however long, as before
-``drafters.eagle.trained_length``), ``indexkeep`` (a tree's kept path moved in the target's cache by two indexing
-operations a layer's tensor, as before ``layer_kernel.cpp``'s ``keep_columns``, 2026-11-27), ``f32cache`` (the
-target's keys and values cached in float32, as before a 4-bit target's float16 cache, 2026-11-27), ``head2``,
+``drafters.eagle.trained_length``), ``dynamohead`` (the EAGLE head's compiled calls through dynamo at every
+capacity, as before ``HeadStep._compile_direct``, 2026-11-27), ``indexkeep`` (a tree's kept path moved in the
+target's cache by two indexing operations a layer's tensor, as before ``layer_kernel.cpp``'s ``keep_columns``,
+2026-11-27), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit target's float16 cache,
+2026-11-27), ``head2``,
 ``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
 job of its own: two heads compared alike);
 ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``, ``ar+f32cache``).
@@ -60,6 +62,7 @@ from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.data import is_held_out, read_sharegpt  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
 from fuzzyspec.drafters.lookup import CopyFirst  # noqa: E402
+from fuzzyspec.drafters import head_step as head_step_module  # noqa: E402
 from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa: E402
 from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
@@ -71,6 +74,7 @@ SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
 SHIPPED_KERNELS = kvcache.kernels
+DIRECT: dict = {}  # each EAGLE head step's direct calls, as ``prepare`` made them (``dynamohead`` sets them aside)
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
 OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}
@@ -103,6 +107,9 @@ def apply(variant: str) -> dict:
     step_module._fused = SHIPPED_FUSED
     engine.copy_length = SHIPPED_COPY_LENGTH
     kvcache.kernels = SHIPPED_KERNELS
+    for step in list(head_step_module._STEPS.values()):
+        if isinstance(step, HeadStep):
+            step._direct = DIRECT.setdefault(step, step._direct)
     for head in HEADS:
         head.window = head.shipped_window
     options = {}
@@ -126,6 +133,9 @@ def apply(variant: str) -> dict:
             engine.copy_length = lambda acceptance, profile, cap, *shape: cap
         elif part == "nopace":  # each size's cost its own running median, no pace, as before 2026-11-26 (late)
             cost.PACE_SHARE, cost.PACE_CLAMP = 0.0, cost.STRIDE
+        elif part == "dynamohead":  # the head's calls through dynamo, as before its direct calls (2026-11-27)
+            for step in DIRECT:
+                step._direct = {}
         elif part == "indexkeep":  # kept paths moved by indexing, as before keep_columns (2026-11-27)
             kvcache.kernels = types.SimpleNamespace(loaded=lambda: False)
         elif part == "chains":

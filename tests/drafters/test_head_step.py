@@ -114,3 +114,30 @@ def test_a_gone_drafters_cache_serves_the_next_one(model, head):
     c = step.borrow_cache(third)
     assert c is a and c.length == 0 and c.keys.data_ptr() == keys
     assert step.borrow_cache(Owner()) is not b  # (b's owner is alive)
+
+
+def test_prepared_widths_are_called_without_dynamo_and_give_the_same_outputs(model, head):
+    """``prepare`` compiles every width at its capacity as a direct call (no dynamo, no guards): the calls a drafter
+    makes at that capacity go through them, give the eager step's outputs, and compile nothing more; a cache of
+    another capacity still runs dynamo's graph."""
+    embed = model.get_input_embeddings()
+    step = HeadStep(head, embed)
+    step.prepare(HEAD_CAPACITY)
+    keys = {(width, torch.float32, HEAD_CAPACITY) for width in WIDTHS}
+    assert set(step._direct) == keys
+    used = []
+    for key in keys:
+        step._direct[key] = lambda *inputs, call=step._direct[key], key=key: used.append(key) or call(*inputs)
+    tokens = torch.randint(0, V, (1, 43), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 43, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        graphs = counters["stats"]["unique_graphs"]
+        ours = calls(step, step.new_cache(), tokens, features, True)
+        assert counters["stats"]["unique_graphs"] == graphs
+        eager = calls(step, step.new_cache(), tokens, features, False)
+        for a, b in zip(ours, eager):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        assert {key[0] for key in used} == {1, 2, 4}  # (the calls' widths: 39, past every compiled one, 1, 2, 3)
+        used.clear()
+        step(step.new_cache(2 * HEAD_CAPACITY), tokens[:, :1], features[:, :1], compiled=True)
+    assert not used
