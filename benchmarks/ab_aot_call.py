@@ -2,10 +2,10 @@
 every call) against the same forward compiled with dynamo's ``aot_compile`` and called with its guard check off (the
 traced bytecode and inductor's code, nothing before them), one process, interleaved.
 
-What it measures is the per-call cost a direct call could save: a lead, not a change shipped. What it needs to ship
-(not done): ``aot_compile`` refuses frozen weights unless AOTAutograd's cache is off, so every process would trace
-each shape again; the head's capacity dimension is dynamic; the GPU path captures graphs over the dynamo-compiled
-function (``core.graphs``).
+For the target it measures what a direct call could save: a lead, not shipped (``aot_compile`` refuses frozen
+weights unless AOTAutograd's cache is off, so every process would compile each shape again; the GPU path captures
+graphs over the dynamo-compiled function, ``core.graphs``). For the EAGLE head, whose calls ``HeadStep`` makes
+direct since 2026-11-27 at the capacity ``prepare`` compiled, it measures that change.
 
 Prints each way's milliseconds a call (median of 40 calls, six rounds, and their minimum), the compile time of the
 direct way, whether both give the same logits, and the CPU's instruction sets; then the same for the shipped EAGLE
@@ -59,24 +59,29 @@ def main() -> None:
         calls = {"as the engine calls it": lambda: step(cache, tokens, positions, write, mask, None, 0, (),
                                                        compiled=True),
                  "aot_compile, no guard check": lambda: direct(forward, *inputs)}
-        found: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(6):
-            for name, call in calls.items():
-                times = []
-                for _ in range(40):
-                    clock = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - clock)
-                found[name].append(1000 * statistics.median(times))
+        report(calls, 40)
+    head_calls(pair, args.width)
+
+
+def report(calls: dict, repeats: int) -> None:
+    """Each call's milliseconds: the median of ``repeats`` calls, in six rounds taking the calls in turn."""
+    found: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(6):
+        for name, call in calls.items():
+            times = []
+            for _ in range(repeats):
+                clock = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - clock)
+            found[name].append(1000 * statistics.median(times))
     for name, medians in found.items():
         print(f"{name:<30} {' '.join(f'{ms:.3f}' for ms in medians)}  min {min(medians):.3f} ms", flush=True)
-    head_calls(pair, args.width)
 
 
 def head_calls(pair: ModelPair, width: int) -> None:
     """The same comparison for the shipped EAGLE head's step (``HeadStep``: one decoder layer), after 99 cached
-    positions of a 256-position cache; its direct way compiled for that capacity alone (the engine's graph keeps the
-    capacity a symbol)."""
+    positions of a 256-position cache: its call through dynamo (with the making of its inputs), against the direct
+    call ``HeadStep._compile_direct`` makes for that capacity (which ``prepare`` has made since 2026-11-27)."""
     from fuzzyspec.core.kvcache import crop_to
     from fuzzyspec.drafters.head_step import head_step
 
@@ -100,23 +105,12 @@ def head_calls(pair: ModelPair, width: int) -> None:
         inputs = (cache.keys, cache.values, tokens[:, 1: 1 + width].clone(), features[:, :width].clone(), write.clone(),
                   write, mask)
         clock = time.perf_counter()
-        with torch._inductor.config.patch(freezing=False):
-            direct = torch.compile(step.forward, fullgraph=True, dynamic=False, options=CPU_INDUCTOR).aot_compile(
-                (inputs, {}))
-        print(f"\nEAGLE head, {width} token(s): aot_compile {time.perf_counter() - clock:.1f} s", flush=True)
-        direct.disable_guard_check()
-        found: dict[str, list[float]] = {"as the engine calls it": [], "aot_compile, no guard check": []}
-        for _ in range(6):
-            for name, call in (("as the engine calls it", usual),
-                               ("aot_compile, no guard check", lambda: direct(step, *inputs))):
-                times = []
-                for _ in range(100):
-                    clock = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - clock)
-                found[name].append(1000 * statistics.median(times))
-    for name, medians in found.items():
-        print(f"{name:<30} {' '.join(f'{ms:.3f}' for ms in medians)}  min {min(medians):.3f} ms", flush=True)
+        key = (width, features.dtype, cache.capacity)
+        direct = step._compile_direct(key, inputs)  # (as ``prepare`` makes it)
+        step._direct.pop(key)  # (the step's own calls then run dynamo's graph, as before)
+        print(f"\nEAGLE head, {width} token(s): compiled as a direct call in {time.perf_counter() - clock:.1f} s",
+              flush=True)
+        report({"through dynamo (as before)": usual, "direct (HeadStep's since)": lambda: direct(*inputs)}, 100)
 
 
 if __name__ == "__main__":
