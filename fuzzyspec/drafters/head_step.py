@@ -151,9 +151,9 @@ class HeadStep:
 
     def _compile_direct(self, key: tuple, arguments: tuple) -> Callable | None:
         """``forward`` compiled for exactly these inputs' shapes, dtypes and layout (one capacity), as a function
-        called without dynamo: no frame evaluation, no cache lookup, no guards. A one-token head call took 0.098 ms
-        so against 0.273-0.278 through dynamo on a 2-core EPYC (``benchmarks/ab_aot_call.py``, 2026-11-27), and a
-        tree step makes five. Guards are what would refuse a call the function was not compiled for, so only a call
+        called without dynamo: no frame evaluation, no cache lookup, no guards. A one-token head call took 0.084 ms
+        so against 0.277 through dynamo on a 2-core EPYC (``benchmarks/ab_aot_call.py``, 2026-11-27), and a tree step
+        makes five. Guards are what would refuse a call the function was not compiled for, so only a call
         whose ``key`` (width, features' dtype, capacity) matches reaches it; ``__call__`` makes every other input
         alike (packed, int64 tokens and positions, a bool mask, the cache's dtype). Without frozen weights (their code
         is not cached between processes this way): the head's products are our kernels' or small. None where this
@@ -179,7 +179,6 @@ class HeadStep:
         """Compile ahead every width at a cache of ``capacity`` positions; on the CPU also as direct calls at that
         capacity (``_compile_direct``)."""
         features = self.head.config.hidden_size
-        self._preparing = True
         try:
             for width in WIDTHS:
                 for direct in (False, True):  # (dynamo's graph first: every other capacity's)
