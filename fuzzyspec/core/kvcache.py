@@ -134,20 +134,19 @@ class StaticCache:
         CUDA graph (per slot and number of moves) does."""
         if columns == list(range(len(columns))):  # a chain's kept prefix is already in place
             return
-        tensors = [*self.keys, *self.values]
-        if tensors[0].device.type == "cpu" and kernels.loaded():
-            torch.ops.fuzzyspec_layer.keep_columns(tensors, slot, start, columns)
-        elif tensors[0].device.type == "cuda":
-            moved = [(start + column, start + i) for i, column in enumerate(columns) if column != i]
-            room = 1 << (len(moved) - 1).bit_length()  # (padded with the first move again: a graph per power of 2)
-            moves = upload(list(zip(*(moved + moved[:1] * (room - len(moved))))), self.device)
-            if self.moves is None:
-                self.moves = Graphs(warm_up=False)  # (moving twice would move a column already moved)
-            self.moves((slot, room), partial(_move, slot=slot), (self, moves))
-        else:
-            source = upload([start + column for column in columns], self.device)
-            for tensor in tensors:
-                tensor[slot, :, start: start + len(columns)] = tensor[slot, :, source]
+        device = self.keys[0].device
+        if device.type == "cpu" and kernels.loaded():
+            torch.ops.fuzzyspec_layer.keep_columns([*self.keys, *self.values], slot, start, columns)
+            return
+        moved = [(start + column, start + i) for i, column in enumerate(columns) if column != i]
+        if device.type != "cuda":
+            _move(self, upload(list(zip(*moved)), device), slot)
+            return
+        room = 1 << (len(moved) - 1).bit_length()  # (padded with the first move again: a graph per power of 2)
+        moves = upload(list(zip(*(moved + moved[:1] * (room - len(moved))))), device)
+        if self.moves is None:
+            self.moves = Graphs(warm_up=False)  # (moving twice would move a column already moved)
+        self.moves((slot, room), partial(_move, slot=slot), (self, moves))
 
 
 def _move(cache: StaticCache, moves: Tensor, slot: int) -> None:
