@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_int4_kernel import SHAPES, random_int4, random_int8  # noqa: E402 (this folder's modules)
 from bench_step import everyday  # noqa: E402
+from turns import balanced_turns  # noqa: E402
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
@@ -164,9 +165,9 @@ def main() -> None:
     for variant in variants:  # warm: each variant's first steps measure its profile's sizes
         run(variant, job.encode(prompts[0][1]))
     totals = {variant: {"tokens": 0, "seconds": 0.0, "passes": 0, "by_category": {}} for variant in variants}
-    for index, (category, prompt) in enumerate(prompts):
+    for index, ((category, prompt), order) in enumerate(zip(prompts, balanced_turns(variants, len(prompts)))):
         ids = job.encode(prompt)
-        for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
+        for variant in order:
             clock = time.perf_counter()
             stats = run(variant, ids)
             seconds = time.perf_counter() - clock

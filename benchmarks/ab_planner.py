@@ -1,6 +1,6 @@
 """The cost planner's estimates, A/B: the default job under variants of the planner's constants, against AR and a
-fixed 1-token chain, every variant decoding every prompt in turn (interleaved, the starting one rotating), each
-with its own copy of the cost profile (measured as it runs, from the same start).
+fixed 1-token chain, every variant decoding every prompt in turn (interleaved, each running after each other about
+equally often: ``turns.py``), each with its own copy of the cost profile (measured as it runs, from the same start).
 
 A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), ``trees`` (every step a whole EAGLE-2 tree of
 the default size, unplanned), or ``+``-joined changes to the planner as
@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import everyday  # noqa: E402 (this folder's module)
+from bench_step import everyday  # noqa: E402 (this folder's modules)
+from turns import balanced_turns  # noqa: E402
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
@@ -282,8 +283,9 @@ def main() -> None:
         jobs[variant].generate(encoded[0], **(COMMON | options))
     totals = {v: {"seconds": 0.0, "decoding": 0.0, "tokens": 0, "passes": 0, "drafted": 0, "by_category": {}}
               for v in variants}
-    for index, ((category, _), ids) in enumerate(zip(prompts, encoded)):
-        for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
+    turns = balanced_turns(variants, len(prompts))  # (each variant behind each other alike: turns.py says why)
+    for index, ((category, _), ids, order) in enumerate(zip(prompts, encoded, turns)):
+        for variant in order:
             options, jobs[variant].step.profile = apply(variant), profiles[variant]
             clock = time.perf_counter()
             stats = jobs[variant].generate(ids, **(COMMON | options)).stats

@@ -2,7 +2,7 @@
 
 Runs, greedy, on the embedded target (SmolLM2-135M-Instruct) for N fixed chat
 prompts x M new tokens, in ONE process and interleaved (for each prompt every
-configuration, in an order rotated from prompt to prompt) so machine noise hits
+configuration, each after each other alike: turns.py) so machine noise hits
 every configuration alike:
 
   HF AR        target.generate(do_sample=False)
@@ -51,6 +51,8 @@ from typing import Any, Callable
 import torch
 import transformers
 from transformers.utils import logging as transformers_logging
+
+from turns import balanced_turns  # (this folder's module)
 
 from fuzzyspec.api import ModelPair
 from fuzzyspec.core.config import DecodeConfig
@@ -326,12 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         c.run(encoded[0], min(m, 16))
 
-    order = list(range(len(configs)))
     started = time.perf_counter()
-    for i, ids in enumerate(encoded):
-        shift = i % len(order)
-        for j in order[shift:] + order[:shift]:  # rotate the order from prompt to prompt
-            c = configs[j]
+    for i, (ids, order) in enumerate(zip(encoded, balanced_turns(configs, len(encoded)))):
+        for c in order:  # each configuration after each other alike (turns.py says why)
             run = c.run(ids, m)
             c.runs.append(run)
             if len(run.tokens) != m:

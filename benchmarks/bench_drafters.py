@@ -5,7 +5,7 @@ eight categories, never used in training) and ``sharegpt`` (held-out ShareGPT co
 training source's own distribution), and any category of the everyday set on its own (``extraction``:
 pulling fields out of a given text, or editing it, where prompt lookup has text to copy). Greedy, M new tokens per prompt (EOS does not stop a run, so every
 configuration yields the same number of tokens), bfloat16, all in one process with the configurations
-interleaved per prompt (the starting one rotating), so machine noise hits all alike.
+interleaved per prompt (each after each other alike: turns.py), so machine noise hits all alike.
 
 Rows: our AR; llama.cpp's plain greedy decoding of the same GGUF (when llama-cpp-python is installed);
 chain SD with the draft LM and with the EAGLE head; lossless EAGLE-2 trees; the CLI's default job; and
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+
+from turns import balanced_turns  # (this folder's module)
 
 from fuzzyspec.api import ModelPair
 from fuzzyspec.data import prompts, read_sharegpt, split
@@ -164,10 +166,9 @@ def main() -> None:
         texts = load_prompts(set_name, int(count) if count else args.prompts)
         totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "prefix": 0.0, "nll": 0.0}
                   for name, _, _ in configs}
-        for i, text in enumerate(texts):
+        for i, (text, order) in enumerate(zip(texts, balanced_turns(configs, len(texts)))):
             ids = base.encode(text)
             outputs = {}
-            order = configs[i % len(configs):] + configs[: i % len(configs)]
             for name, pair, options in order:
                 if pair is None:
                     tokens, seconds = llama.generate(ids[0].tolist(), args.max_new_tokens)

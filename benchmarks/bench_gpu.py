@@ -42,6 +42,7 @@ import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench_step import everyday
+from turns import balanced_turns
 from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
 from fuzzyspec.core import engine as engine_module
@@ -269,8 +270,8 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             print(f"  [{name}] {label}: warm-up answer {took[0]:.1f} s", flush=True)
     warm_compiles = dict(compiles)
     labels = [label for label in ROWS if label not in failed]
-    for index, ids in enumerate(encoded):
-        for label in labels[index % len(labels):] + labels[: index % len(labels)]:
+    for index, (ids, order) in enumerate(zip(encoded, balanced_turns(labels, len(encoded)))):
+        for label in order:
             if label in failed:
                 continue
             took = timed(label, ids)

@@ -7,7 +7,7 @@ Everything in one process, on the embedded SmolLM2-135M-Instruct and its shipped
    widths the engine pads to; the first call's seconds, the compilation, beside);
 2. each drafter's proposal cost by size (chain tokens, tree depth);
 3. decoding the everyday prompts (fuzzyspec/prompts/everyday.jsonl, never trained on), every configuration
-   interleaved per prompt (the starting one rotating): AR before this work (the engine of the commit named
+   interleaved per prompt (each after each other alike: turns.py): AR before this work (the engine of the commit named
    by --before, fp32 eager, imported from ``git archive`` as a second package), our AR, the default job
    (cost-sized lossless EAGLE-2 trees), and other drafters and rules, in each form, eager and compiled;
    tokens/s and its ratio to the old AR and to compiled AR of the same form, tokens per target pass, the
@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from turns import balanced_turns  # (this folder's module)
 
 from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
@@ -191,9 +193,8 @@ def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], Target
             if not compiled:
                 break
         pair.step.on_compile = None
-    for index, (category, prompt) in enumerate(prompts):
+    for index, ((category, prompt), order) in enumerate(zip(prompts, balanced_turns(labels, len(prompts)))):
         ids = first.encode(prompt)
-        order = labels[index % len(labels):] + labels[: index % len(labels)]
         for label in order:
             if label.startswith("before"):
                 decode, config_class, fp32 = before
