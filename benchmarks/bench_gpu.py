@@ -36,6 +36,7 @@ import json
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -57,7 +58,7 @@ from fuzzyspec.loading import embedded_folder
 
 # label -> (step: "hf", "hf-static", "eager", "compiled", "graphs", "apart", "inductor"; drafter; decoding options);
 # "apart": graphs with q, k, v (gate, up) as separate products, as before ``step.fuse_float_projections``;
-# "inductor": inductor's own CUDA graphs (``InductorGraphs``), for the target's steps and an EAGLE head's``
+# "inductor": inductor's own CUDA graphs (``InductorGraphs``), for the target's steps and an EAGLE head's
 
 ROWS = {
     "HF generate, eager": ("hf", None, None),
@@ -106,6 +107,20 @@ class InductorHead:
 
     def __exit__(self, *exc) -> None:
         self.step._compiled = self.ours
+
+
+def host_profile(run: Callable[[], Any], count: int = 30) -> tuple[Any, str, list[str]]:
+    """``run()`` under cProfile: its result, the report of the ``count`` functions that spent the most time of their
+    own, and that report's rows (its header left out)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        result = run()
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(count)
+    return result, text.getvalue(), [line for line in text.getvalue().splitlines() if line.strip()][3:]
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -292,13 +307,7 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             accept_share[label] = judge.seconds / took[0]
     for label in profile:  # where the host spends a row's answer
         if label in ROWS and label not in failed:
-            profiler = cProfile.Profile()
-            profiler.enable()
-            took = timed(label, encoded[0])
-            profiler.disable()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(28)
-            lines = [line for line in text.getvalue().splitlines() if line.strip()][3:]
+            took, _, lines = host_profile(lambda: timed(label, encoded[0]), 28)
             print(f"  [{name}] {label}: host by own time, one answer of {took[1] if took else '?'} tokens in "
                   f"{took[2] if took else '?'} passes (cProfile; its overhead inflates every figure):", flush=True)
             print("\n".join("     " + line[:150] for line in lines), flush=True)

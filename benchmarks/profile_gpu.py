@@ -19,9 +19,6 @@ Usage: python benchmarks/profile_gpu.py [--tokens 128] [--out FOLDER]
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import statistics
 import time
 from pathlib import Path
@@ -30,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from bench_gpu import _sync, random_config
+from bench_gpu import _sync, host_profile, random_config
 
 from fuzzyspec import DecodeConfig
 from fuzzyspec.core.engine import Engine
@@ -203,19 +200,12 @@ def engine_ar(model, step: TargetStep, device: torch.device, tokens: int, out: P
     for lookahead, label in ((True, "run one step ahead"), (False, "not run ahead")):
         print(f"5. engine AR, {tokens} tokens an answer, {label}: {min(times[lookahead]):.3f} ms a token (best of "
               f"3; {', '.join(f'{t:.3f}' for t in times[lookahead])})", flush=True)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    answer(True)
-    _sync(device)
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-    lines = [line for line in text.getvalue().splitlines() if line.strip()]
+    _, text, lines = host_profile(lambda: (answer(True), _sync(device)))
     print("   host, by own time (cProfile, one answer run ahead; its overhead inflates every figure):")
-    for line in lines[3:22]:
+    for line in lines[:19]:
         print("   " + line[:150])
     if out is not None:
-        (out / "engine_profile.txt").write_text(text.getvalue())
+        (out / "engine_profile.txt").write_text(text)
 
 
 def main() -> None:

@@ -134,7 +134,7 @@ class StaticCache:
         CUDA graph (per slot and number of moves) does."""
         if columns == list(range(len(columns))):  # a chain's kept prefix is already in place
             return
-        device = self.keys[0].device
+        device = self.device
         if device.type == "cpu" and kernels.loaded():
             torch.ops.fuzzyspec_layer.keep_columns([*self.keys, *self.values], slot, start, columns)
             return
