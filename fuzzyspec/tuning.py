@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -71,7 +72,8 @@ def _step_code() -> str:
 
 
 def profile_path() -> Path:
-    return cache_dir() / "profiles.json"
+    """``$FUZZYSPEC_PROFILES``, else ``profiles.json`` in the fuzzyspec cache."""
+    return Path(os.environ.get("FUZZYSPEC_PROFILES") or cache_dir() / "profiles.json")
 
 
 def _saved() -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,20 @@ from transformers import LlamaConfig, LlamaForCausalLM
 torch.set_num_threads(1)
 
 
+def pytest_configure(config) -> None:
+    """Decoding files what its steps cost in ``profiles.json``; the tests' tiny models (each in a new pytest folder,
+    so each a new key) would pile up in the user's own. Processes the tests start (the CLI, torchrun's ranks) file
+    theirs in this session's file of their own (``$FUZZYSPEC_PROFILES``, read by processes started from here on:
+    set before any test module builds the environment it hands them)."""
+    if "FUZZYSPEC_PROFILES" not in os.environ:
+        os.environ["FUZZYSPEC_PROFILES"] = str(Path(tempfile.mkdtemp(prefix="fuzzyspec-test-profiles-")) /
+                                               "profiles.json")
+
+
 @pytest.fixture(autouse=True)
 def _profiles_kept_apart(monkeypatch, tmp_path_factory):
-    """Decoding files what its steps cost in the cache's ``profiles.json``; the tests' tiny models (each in a new
-    pytest folder, so each a new key) would pile up in the user's own. A test that names a cache keeps its
-    profiles there; the others share one file of this test session's."""
+    """In the tests' own process: a test that names a cache keeps its profiles there (what it notes is read back
+    from there, and no other test meets it); the others share one file of this test session's."""
     from fuzzyspec import files, tuning
 
     session = tmp_path_factory.getbasetemp() / "profiles.json"
