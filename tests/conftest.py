@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,8 +20,15 @@ def pytest_configure(config) -> None:
     theirs in this session's file of their own (``$FUZZYSPEC_PROFILES``, read by processes started from here on:
     set before any test module builds the environment it hands them)."""
     if "FUZZYSPEC_PROFILES" not in os.environ:
-        os.environ["FUZZYSPEC_PROFILES"] = str(Path(tempfile.mkdtemp(prefix="fuzzyspec-test-profiles-")) /
-                                               "profiles.json")
+        config._profiles_folder = tempfile.mkdtemp(prefix="fuzzyspec-test-profiles-")
+        os.environ["FUZZYSPEC_PROFILES"] = str(Path(config._profiles_folder) / "profiles.json")
+
+
+def pytest_unconfigure(config) -> None:
+    folder = getattr(config, "_profiles_folder", None)
+    if folder is not None:
+        os.environ.pop("FUZZYSPEC_PROFILES", None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from fuzzyspec import tuning
 from fuzzyspec.core.cost import Profile
+from fuzzyspec.files import cache_dir
 
 
 def test_a_save_drops_the_profiles_of_other_code_once_stale():
@@ -31,12 +35,6 @@ def test_a_save_drops_the_profiles_of_other_code_once_stale():
 def test_profiles_go_where_fuzzyspec_profiles_says_and_the_tests_processes_keep_out_of_the_users_cache(tmp_path):
     """``$FUZZYSPEC_PROFILES`` names the file; a process the tests start inherits this session's, so a tiny model's
     costs never reach the user's own ``profiles.json`` (198 of one developer's 221 profiles had come from tests)."""
-    import os
-    import subprocess
-    import sys
-
-    from fuzzyspec.files import cache_dir
-
     named = tmp_path / "elsewhere.json"
     where = "from fuzzyspec import tuning; print(tuning.profile_path())"
     done = subprocess.run([sys.executable, "-c", where], capture_output=True, text=True, timeout=120,
