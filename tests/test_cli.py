@@ -421,6 +421,27 @@ def test_tune_measures_keeps_and_explains_the_profile(capsys, tiny_dirs, tmp_pat
     assert tuning.load(pair.profile_key).outside_ms(1) > 0  # what a step spends around its forward, for the planner
 
 
+def test_tune_prices_compiled_drafting_after_preparing_it_as_decoding_does(capsys, tiny_dirs, tmp_path, monkeypatch):
+    """Compiled, `fuzzyspec tune` prepares the pair as serve and bench do (every shape the default job's drafts
+    verify, and an EAGLE head's direct calls) before it times drafting: timed unprepared, an EAGLE head's calls
+    went through dynamo, and a 1-token chain was priced at 1.4-2.2 ms where decoding pays about 0.6."""
+    from fuzzyspec import cli, tuning
+
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    events = []
+    monkeypatch.setattr(cli, "_persist_compiled_code", lambda: None)
+    monkeypatch.setattr(tuning, "measure_target", lambda step, widths, **kwargs: ({w: 1.0 + w for w in widths}, {}))
+    monkeypatch.setattr(tuning, "prepare", lambda pair, config, **kwargs: events.append(("prepare", config.method,
+                                                                                         pair.step.compile)))
+    monkeypatch.setattr(tuning, "measure_drafter",
+                        lambda pair, breadth, sizes: events.append(("drafting", breadth)) or {s: 0.5 for s in sizes})
+    assert main(["tune", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--dtype", "float32",
+                 "--compile", "--widths", "1,2", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["profiles"]) == {"compiled"}
+    assert events[0][0] == "prepare" and events[0][1] != "ar" and events[0][2] is True
+    assert [event for event in events if event[0] == "drafting"] and "prepare" not in [e[0] for e in events[1:]]
+
+
 def test_compiled_code_is_kept_per_kind_of_cpu(monkeypatch, tmp_path):
     """Inductor's cache reused under another CPU capability ran code built for the other (garbage logits, or a
     crash): the compiled code a command keeps goes to a folder of the cache per kind of CPU, unless the user names
