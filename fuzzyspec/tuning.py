@@ -2,9 +2,10 @@
 
 A profile (``core.cost.Profile``) is kept per target, weights form, dtype, device, CPU instruction set, thread
 count, torch version and compilation, in ``profiles.json`` in the fuzzyspec cache (or the file
-``$FUZZYSPEC_PROFILES`` names). The engine folds in what it measures as it decodes, and a pair saves it; ``measure`` (``fuzzyspec tune``) measures every width ahead of
-time, each drafter's proposals, and compiled steps beside eager ones with their compile times, so that the
-choice of draft sizes and of compiling is informed from the first token.
+``$FUZZYSPEC_PROFILES`` names). The engine folds in what it measures as it decodes, and a pair saves it;
+``measure`` (``fuzzyspec tune``) measures every width ahead of time, each drafter's proposals, and compiled steps
+beside eager ones with their compile times, so that the choice of draft sizes and of compiling is informed from
+the first token.
 """
 from __future__ import annotations
 
