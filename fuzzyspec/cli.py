@@ -723,7 +723,6 @@ def _tune(args: argparse.Namespace) -> None:
     """Measure the profile (eager, and compiled unless --no-compile), keep it, and print it with its choices."""
     from . import tuning
     from .api import ModelPair
-    from .core.cost import TARGET, Option, draft_key
     from .core.step import TargetStep
 
     device = _device(args)
@@ -738,30 +737,15 @@ def _tune(args: argparse.Namespace) -> None:
         step.on_compile, step.profile = loaded.step.on_compile, tuning.load(key)
         pair = ModelPair(loaded.target, loaded.tokenizer, loaded.draft, step, key)
         widths = tuple(args.widths or ((1, 2, 4, 6, 8, 17) if compiled else tuning.WIDTHS))
-        times, compile_s = tuning.measure_target(step, widths, compiled=compiled, progress=tuning.progress_line)
-        step.profile.set_measured(TARGET, times)
-        if compiled and pair.draft is not None:
-            # Drafting is priced as compiled decoding runs it, so after what serve and bench do first: every shape
-            # its drafts verify, and the EAGLE head's direct calls. Without them the head's calls went through
-            # dynamo: tune priced a 1-token chain at 1.4-2.2 ms, and at 0.6 ms with them, as decoding's own
-            # profiles do (0.7-0.9 ms; 2026-11-27, a 2-core EPYC)
-            tuning.prepare(pair, drafter, progress=tuning.progress_line)
-        options, drafting = {}, {}
-        if pair.draft is not None:
-            options["chains"] = Option(pair.draft.name, drafter.gamma)
-            if pair.draft.drafts_trees:
-                options["trees"] = Option(pair.draft.name, drafter.tree_depth,
-                                          (drafter.tree_total_tokens, drafter.tree_top_k))
-        for breadth in sorted({k for option in options.values() for k in option.breadths()}):
-            tuning.progress_line(f"{pair.draft.name} drafting {'chains' if breadth == 1 else f'{breadth}-wide trees'}")
-            cap = max(option.cap for option in options.values() if breadth in option.breadths())
-            drafted = draft_key(pair.draft.name, breadth)
-            drafting[drafted] = tuning.measure_drafter(pair, breadth, range(1, cap + 1))
-            step.profile.set_measured(drafted, drafting[drafted])
+        measured = tuning.measure(pair, drafter, widths, progress=tuning.progress_line)
         tuning.save(key, step.profile)
-        report["profiles"]["compiled" if compiled else "eager"] = {
-            "key": key, "target_ms": times, "compile_s": compile_s, "draft_ms": drafting,
-            "choices": tuning.choices(step.profile, options)}
+        options = tuning.options_of(pair, drafter)
+        found = report["profiles"]["compiled" if compiled else "eager"] = {
+            "key": key, **measured, "choices": tuning.choices(step.profile, options),
+            "speedup": tuning.outlook(step.profile, options)}
+        if options:  # (the planner's view of this drafter: from what acceptance it drafts, and what decoding met)
+            found["chain_pays_from"] = tuning.pays_from(step.profile, pair.draft.name, drafter.gamma)
+            found["acceptance_met"] = tuning.acceptance_met(step.profile, pair.draft.name, options)
     from .loading import auto_may_hold_int4
 
     if args.weights == "auto" and auto_may_hold_int4(args.target, args.dtype, device) and "eager" in report["profiles"]:
@@ -784,8 +768,17 @@ def _tune(args: argparse.Namespace) -> None:
         for key, sizes in profile["draft_ms"].items():
             print(f"  {key}: " + ", ".join(f"{size}: {ms:.1f} ms" for size, ms in sizes.items()))
         for name, picked in profile["choices"].items():
-            print(f"  {name}: drafted (depth x breadth) at a chain's first-draft acceptance " +
-                  ", ".join(f"{rate:g} -> {depth}x{breadth}" for rate, (depth, breadth) in picked.items()))
+            print(f"  {name}: drafted (depth x breadth, the planner's x AR) at a chain's first-draft acceptance " +
+                  ", ".join(f"{rate:g} -> {depth}x{breadth}, x{profile['speedup'][name][rate]:.2f}"
+                            for rate, (depth, breadth) in picked.items()))
+        if "chain_pays_from" in profile:
+            pays_from = profile["chain_pays_from"]
+            print("  a chain pays " + (f"from a first-draft acceptance of {pays_from:g}" if pays_from is not None
+                                       else "at no first-draft acceptance") + " by these costs")
+        for rule, met in profile.get("acceptance_met", {}).items():
+            print(f"  met in decoding here ({rule}): first drafts passed {met['first_draft']:.2f}; a new row drafts " +
+                  ", ".join(f"{name} {depth}x{breadth}, x{speed:.2f}"
+                            for name, ((depth, breadth), speed) in met["picks"].items()))
     if "weights" in report:
         ms = report["weights"]["step_ms"]
         print("\nweights: one step " + ", ".join(f"{form} {value:.1f} ms" for form, value in ms.items()) +

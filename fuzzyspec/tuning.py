@@ -23,13 +23,17 @@ from typing import Callable
 import torch
 
 from .core import kernels
-from .core.cost import OUTSIDE, Acceptance, Option, Profile, draft_key, plan, widened
+from .core.cost import OUTSIDE, TARGET, Acceptance, Option, Profile, draft_key, speedup, widened
 from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
 from .files import write_whole
 from .loading import EMBEDDED, cache_dir, cpu_isa, resolve_dtype, weight_form
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, 24, 32)
+# A drafted token that got there passes this much less often than the one before it: the shipped EAGLE head's
+# greedy chains of 4 on 24 everyday prompts passed 0.48 at the first draft, then 0.40, 0.41 and 0.29 of those that
+# got there (benchmarks/results_draft_confidence_epyc_2026-11-27.txt)
+LATER_DEPTHS = 0.85
 
 
 def machine(device: str = "cpu") -> str:
@@ -125,23 +129,21 @@ def facts(key: str) -> dict:
     return _saved().get(key, {})
 
 
-def _median_ms(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm
-    times = []
-    for _ in range(repeats):
-        clock = time.perf_counter()
-        run()
-        times.append(1000 * (time.perf_counter() - clock))
-    return statistics.median(times)
-
-
 @torch.inference_mode()
-def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: int = 128, repeats: int = 5,
+def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: int = 128, rounds: int = 15,
                    compiled: bool = False, progress: Callable[[str], None] | None = None, capacity: int = 256
                    ) -> tuple[dict[int, float], dict[int, float]]:
     """Milliseconds of one forward of ``width`` tokens after ``prefix`` cached ones, for each width (batch 1,
-    a cache of ``capacity`` positions), and, compiled, the seconds of each width's first call (its compilation,
-    or loading it from the cache)."""
+    a cache of ``capacity`` positions): the median over ``rounds`` rounds, each of which runs every width once, in
+    an order turned a step each round; and, compiled, the seconds of each width's first call (its compilation, or
+    loading it from the cache).
+
+    Why rounds: a spell of the machine's pace then falls on every width alike. Timed one width after another (five
+    calls each), a compiled 2-token pass of the embedded 4-bit target came out at 0.82x, 0.91x, 1.18x and 1.13x a
+    1-token one in four runs right after loading, on a 2-core EPYC; in rounds, 1.02x-1.05x; 300 rounds of the two
+    widths alone, 1.06x (in a calm spell later, both ways gave 1.01x-1.08x: ``benchmarks/ab_tune_widths.py``). A
+    `fuzzyspec tune` that had settled 1.25x there left the planner drafting only from a first-draft acceptance near
+    the shipped head's own (about 0.48), so whether the default job drafted at all was left to chance (2026-11-27)."""
     model = step.model
     device = model.get_input_embeddings().weight.device
     cache = StaticCache.for_model(model.config, 1, capacity, step.cache_dtype, device)
@@ -153,9 +155,9 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
          attention_mask(start, chain_tree(1, prefix, device), cache.capacity), None, 1)
     cache.lengths = [prefix]
     start = torch.tensor([prefix], device=device)
-    result: dict[int, float] = {}
+    runs: dict[int, Callable[[], None]] = {}
     compile_s: dict[int, float] = {}
-    for width in widths:
+    for width in widths:  # each width's first call (compiled: its compilation) and one more, to warm it
         run_width, _ = step.shape(width, 1)
         feed = tokens[:, prefix: prefix + run_width]
         positions = write_positions(start, run_width)
@@ -163,16 +165,23 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
         if progress is not None:
             progress(f"target step, {width} token{'s' if width > 1 else ''}" + (" (compiling)" if compiled else ""))
 
-        def run() -> None:
+        def run(feed=feed, positions=positions, mask=mask) -> None:
             step(cache, feed, positions, positions, mask, None, 0, (), compiled=compiled)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+        clock = time.perf_counter()
+        run()
         if compiled:
-            clock = time.perf_counter()
-            run()
             compile_s[width] = time.perf_counter() - clock
-        result[width] = _median_ms(run, repeats)
-    return result, compile_s
+        run()
+        runs[width] = run
+    times: dict[int, list[float]] = {width: [] for width in widths}
+    for round_ in range(rounds):
+        for width in widths[round_ % len(widths):] + widths[: round_ % len(widths)]:
+            clock = time.perf_counter()
+            runs[width]()
+            times[width].append(1000 * (time.perf_counter() - clock))
+    return {width: statistics.median(ms) for width, ms in times.items()}, compile_s
 
 
 def prepare(pair, config, capacities: tuple[int, ...] = (256,), progress: Callable[[str], None] | None = None) -> None:
@@ -184,11 +193,47 @@ def prepare(pair, config, capacities: tuple[int, ...] = (256,), progress: Callab
     if pair.step.compile and pair.draft is not None and config.method != "ar":
         widths = Option.of(pair.draft.name, config).widths()
         for capacity in capacities:
-            measure_target(pair.step, widths, repeats=1, compiled=True, progress=progress, capacity=capacity)
+            measure_target(pair.step, widths, rounds=1, compiled=True, progress=progress, capacity=capacity)
         if pair.draft.prepare is not None:
             if progress is not None:
                 progress("drafter step (compiling)")
             pair.draft.prepare(capacities[0])
+
+
+def measure(pair, config, widths: tuple[int, ...] = WIDTHS, progress: Callable[[str], None] | None = None) -> dict:
+    """Measure ``pair``'s profile ahead of decoding (``fuzzyspec tune``), into ``pair.step.profile`` as settled
+    costs: the target's step at ``widths`` (compiled where the pair's step is), and the drafter's proposals at every
+    size and breadth ``config`` (a ``DecodeConfig``) may draft (``options_of``). Returns the times: ``target_ms``,
+    ``compile_s`` and ``draft_ms`` (per drafting key, per size)."""
+    step = pair.step
+    target_ms, compile_s = measure_target(step, widths, compiled=step.compile, progress=progress)
+    step.profile.set_measured(TARGET, target_ms)
+    if step.compile and pair.draft is not None:
+        # Drafting is priced as compiled decoding runs it, so after what serve and bench do first: every shape its
+        # drafts verify, and the EAGLE head's direct calls. Without them the head's calls went through dynamo: tune
+        # priced a 1-token chain at 1.4-2.2 ms, and at 0.6 ms with them, as decoding's own profiles do (0.7-0.9 ms;
+        # 2026-11-27, a 2-core EPYC)
+        prepare(pair, config, progress=progress)
+    options, draft_ms = options_of(pair, config), {}
+    for breadth in sorted({k for option in options.values() for k in option.breadths()}):
+        if progress is not None:
+            progress(f"{pair.draft.name} drafting {'chains' if breadth == 1 else f'{breadth}-wide trees'}")
+        cap = max(option.cap for option in options.values() if breadth in option.breadths())
+        drafted = draft_key(pair.draft.name, breadth)
+        draft_ms[drafted] = measure_drafter(pair, breadth, range(1, cap + 1))
+        step.profile.set_measured(drafted, draft_ms[drafted])
+    return {"target_ms": target_ms, "compile_s": compile_s, "draft_ms": draft_ms}
+
+
+def options_of(pair, config) -> dict[str, Option]:
+    """What ``pair``'s drafter may draft under ``config``: ``chains`` up to its gamma, and where the drafter drafts
+    trees, ``trees`` up to its tree depth; nothing without a drafter."""
+    if pair.draft is None:
+        return {}
+    options = {"chains": Option(pair.draft.name, config.gamma)}
+    if pair.draft.drafts_trees:
+        options["trees"] = Option(pair.draft.name, config.tree_depth, (config.tree_total_tokens, config.tree_top_k))
+    return options
 
 
 @torch.inference_mode()
@@ -227,19 +272,56 @@ def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how
 def choices(profile: Profile, options: dict[str, Option], rates: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
             ) -> dict[str, dict[float, tuple[int, int]]]:
     """The draft (depth, breadth) the planner picks for one row at each first-draft acceptance of a chain
-    ``rates`` (later depths a little lower, as measured drafters are; wider drafts catching the prior's share
-    of a chain's misses), per option."""
-    picked = {}
-    for name, option in options.items():
-        picked[name] = {}
-        for rate in rates:  # as if seen 100 times
-            acceptance = Acceptance()
-            for breadth in option.breadths():
-                first = widened(rate, breadth)
-                acceptance.reached[breadth] = [100.0] * option.cap
-                acceptance.passed[breadth] = [100.0 * first * 0.95 ** j for j in range(option.cap)]
-            picked[name][rate] = plan([option], [acceptance], profile)[0]
-    return picked
+    ``rates`` (``_as_seen``), per option."""
+    return {name: {rate: speedup(option, _as_seen(rate, option), profile)[0] for rate in rates}
+            for name, option in options.items()}
+
+
+def outlook(profile: Profile, options: dict[str, Option], rates: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
+            ) -> dict[str, dict[float, float]]:
+    """Per option, the tokens per second over AR the planner expects of its pick (``cost.speedup``) at each
+    first-draft acceptance of a chain ``rates`` (``_as_seen``)."""
+    return {name: {rate: speedup(option, _as_seen(rate, option), profile)[1] for rate in rates}
+            for name, option in options.items()}
+
+
+def pays_from(profile: Profile, drafter: str, cap: int) -> float | None:
+    """The lowest first-draft acceptance (``_as_seen``, to within 0.005) at which the planner drafts a chain of
+    ``drafter`` (up to ``cap`` deep) at all; None where it never does. (Chains alone: where trees are allowed, a
+    tree's acceptance is the prior's guess from a chain's, ``cost.widened``, and that guess would decide it.)"""
+    chains = Option(drafter, cap)
+    drafts = lambda rate: speedup(chains, _as_seen(rate, chains), profile)[0] != (0, 1)  # noqa: E731
+    if not drafts(1.0):
+        return None
+    low, high = 0.0, 1.0
+    while high - low > 0.005:  # (a draft pays more the likelier it passes: one crossing)
+        low, high = (low, (low + high) / 2) if drafts((low + high) / 2) else ((low + high) / 2, high)
+    return round(high, 3)
+
+
+def acceptance_met(profile: Profile, drafter: str, options: dict[str, Option], least: float = 20.0) -> dict[str, dict]:
+    """What ``drafter``'s drafts met in the decoding this profile has seen (``Profile.population``, per rule), where
+    at least ``least`` first drafts count: the first draft's acceptance, and per option (``picks``) the draft a new
+    row starts from and the speed over AR the planner expects of it (``cost.speedup``)."""
+    met = {}
+    for key, population in profile.populations.items():
+        if key.split("|")[0] != drafter or sum(population.reached.get(1, [0.0])[:1]) < least:
+            continue
+        row = Acceptance(population=population)
+        met[key] = {"first_draft": population.rate(1),
+                    "picks": {name: speedup(option, row, profile) for name, option in options.items()}}
+    return met
+
+
+def _as_seen(rate: float, option: Option) -> Acceptance:
+    """A row's acceptance as if so many drafts had been seen at each depth and breadth of ``option`` that the prior
+    no longer counts: a chain's first draft passing at ``rate``, each later depth ``LATER_DEPTHS`` as often as the
+    one before, wider drafts catching the prior's share of a chain's misses (``cost.widened``)."""
+    acceptance, seen = Acceptance(), 1e6
+    for breadth in option.breadths():
+        acceptance.reached[breadth] = [seen] * option.cap
+        acceptance.passed[breadth] = [seen * widened(rate, breadth) * LATER_DEPTHS ** j for j in range(option.cap)]
+    return acceptance
 
 
 def progress_line(text: str) -> None:

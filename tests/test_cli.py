@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -415,10 +416,40 @@ def test_tune_measures_keeps_and_explains_the_profile(capsys, tiny_dirs, tmp_pat
     assert set(drafting) == {"1", "2", "3", "4", "5"}  # chains up to the default --gamma
     (choices,) = eager["choices"].values()
     assert all(0 <= depth <= 5 and breadth == 1 for depth, breadth in choices.values())  # a draft LM: chains
+    (speedup,) = eager["speedup"].values()  # the planner's x AR at each first-draft acceptance: never below AR
+    assert speedup.keys() == choices.keys() and all(x >= 1.0 for x in speedup.values())
+    assert eager["chain_pays_from"] is None or 0 < eager["chain_pays_from"] <= 1
+    assert eager["acceptance_met"] == {}  # no decoding has run under this profile yet
     assert "avx2" in report["machine"] or "threads" in report["machine"]
     pair = ModelPair.load(tiny_dirs["target"], tiny_dirs["draft"], dtype="float32")
     assert pair.profile_key == eager["key"] and tuning.load(pair.profile_key).target.keys() >= {1, 2, 4}
     assert tuning.load(pair.profile_key).outside_ms(1) > 0  # what a step spends around its forward, for the planner
+
+
+def test_tune_prints_from_what_acceptance_drafting_pays_and_what_decoding_met(capsys, tiny_dirs, tmp_path, monkeypatch):
+    """Printed, `fuzzyspec tune` says the planner's speed over AR at each first-draft acceptance, from which one a
+    chain pays, and what the drafter's rows met in decoding on this machine with the draft a new row starts from."""
+    from fuzzyspec import tuning
+    from fuzzyspec.core.cost import Acceptance, population_key
+
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(tuning, "measure_target", lambda step, widths, **kwargs: ({w: 10.0 for w in widths}, {}))
+    monkeypatch.setattr(tuning, "measure_drafter", lambda pair, breadth, sizes: {s: 1.0 * s for s in sizes})
+    command = ["tune", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--dtype", "float32",
+               "--no-compile", "--widths", "1,2,4,6"]
+    assert main(command + ["--json"]) == 0
+    key = json.loads(capsys.readouterr().out)["profiles"]["eager"]["key"]
+    profile = tuning.load(key)
+    (drafter,) = {name.split(":")[0] for name in profile.draft}
+    row = Acceptance(population=profile.population(population_key(drafter, "sd", 0.0, True)))
+    for step in range(100):
+        row.record(proposed=1, ranks=[1] if step % 2 else [])  # half the first drafts pass
+    tuning.save(key, profile)
+    assert main(command) == 0
+    printed = capsys.readouterr().out
+    pays_from = float(re.search(r"a chain pays from a first-draft acceptance of ([0-9.]+)", printed).group(1))
+    assert "0.5 -> " in printed and abs(pays_from - 0.1) < 0.006  # (1 + a) / (10 + 1) > 1 / 10
+    assert f"met in decoding here ({population_key(drafter, 'sd', 0.0, True)}): first drafts passed 0.5" in printed
 
 
 def test_tune_prices_compiled_drafting_after_preparing_it_as_decoding_does(capsys, tiny_dirs, tmp_path, monkeypatch):

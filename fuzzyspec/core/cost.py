@@ -460,6 +460,19 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
     return chosen
 
 
+def speedup(option: Option, acceptance: Acceptance, profile: Profile, context: int = 0) -> tuple[tuple[int, int], float]:
+    """The draft (depth, breadth) ``plan`` picks for one row, and the tokens per millisecond it expects of it over
+    AR's by the same measure: E(g, k) / (T(1 + n) + S + D(g, k)) against 1 / (T(1) + S). 1.0 where it drafts
+    nothing; never below, since drafting nothing is always a candidate."""
+    (chosen,) = plan([option], [acceptance], profile, context=context)
+    if chosen == (0, 1):
+        return chosen, 1.0
+    _, tokens, nodes, drafting = next(entry for entry in _candidates(option, acceptance, profile) if entry[0] == chosen)
+    outside = profile.outside_ms(1)
+    ms = profile.target_ms(1 + nodes, context=context) + outside + drafting
+    return chosen, tokens * (profile.target_ms(1, context=context) + outside) / ms if ms > 0 else math.inf
+
+
 def copy_length(acceptance: Acceptance, profile: Profile, cap: int,
                 shape: Callable[[int, int], tuple[int, int]] = lambda width, rows: (width, rows), rows: int = 1,
                 context: int = 0) -> int:

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.cost import (MEMORY, OUTSIDE, POPULATION_MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TARGET, TRIALS,
-                                  Acceptance, Option, Profile, context_band, copy_length, plan, population_key)
+                                  Acceptance, Option, Profile, context_band, copy_length, plan, population_key, speedup)
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
@@ -47,6 +47,18 @@ def test_where_verifying_is_nearly_free_the_arithmetic_picks_the_size():
     assert plan([Option("d", 5)], [acceptance], profile) == [(max(rates, key=rates.get), 1)]
     assert plan([Option("d", 5)], [acceptance], profile) == plan([Option("d", 5)], [acceptance], profile)
     assert plan([Option("d", 2)], [acceptance], profile)[0][0] <= 2  # the cap holds
+
+
+def test_the_speed_over_ar_is_the_planners_own_arithmetic_for_its_pick():
+    """``speedup``: the planner's pick for one row and E / (T(1 + n) + S + D) over 1 / (T(1) + S), as ``plan`` weighs
+    it; exactly 1.0 where it drafts nothing."""
+    profile = Profile(target={1: 10.0, 2: 11.0, 3: 12.0}, draft={"d:chain": {1: 1.0, 2: 2.5}}, outside={1: 1.0})
+    acceptance = accepting(0.5)
+    chosen, faster = speedup(Option("d", 2), acceptance, profile)
+    assert chosen == plan([Option("d", 2)], [acceptance], profile)[0] == (1, 1)
+    assert math.isclose(faster, acceptance.expected(1)[1] / (11.0 + 1.0 + 1.0) * (10.0 + 1.0))
+    dear = Profile(target={m: 10.0 * m for m in range(1, 4)}, draft={"d:chain": {1: 1.0}}, outside={1: 1.0})
+    assert speedup(Option("d", 2), acceptance, dear) == ((0, 1), 1.0)
 
 
 def test_a_copys_length_is_the_one_its_acceptance_and_the_measured_widths_pay_for():
