@@ -25,6 +25,8 @@ target's cache by two indexing operations a layer's tensor, as before ``layer_ke
 2026-11-27), ``head2``,
 ``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
 job of its own: two heads compared alike);
+``tuned`` (the job as shipped, from the profile ``fuzzyspec tune`` would leave: ``tuning.measure`` after preparing,
+where every other variant starts from an empty one);
 ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``, ``ar+f32cache``).
 The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
@@ -122,8 +124,8 @@ def apply(variant: str) -> dict:
             options |= {"tree": False, "gamma": int(part[5:]), "gamma_schedule": "constant", "method": "sd"}
         elif part == "trees":  # every step a whole tree of the default size
             options |= {"tree": True, "gamma_schedule": "constant", "method": "sd"}
-        elif part in OWN_JOB:
-            continue  # (its own job: see main)
+        elif part in OWN_JOB or part == "tuned":
+            continue  # (its own job, or its own starting profile: see main)
         elif part == "fixedprior":  # every row's prior PRIOR_ACCEPTANCE, as before 2026-11-26's learnt prior
             Profile.population = lambda self, key: None
         elif part.startswith("plan") and part[4:].isdigit():  # plan every N steps (1: every step, as before
@@ -278,6 +280,14 @@ def main() -> None:
                 jobs[variant].draft.prepare(256)
     start = step.profile.to_dict()
     profiles = {variant: Profile.from_dict(start) for variant in variants}
+    if any("tuned" in variant.split("+") for variant in variants):  # the profile `fuzzyspec tune` would leave
+        kept, step.profile = step.profile, Profile.from_dict(start)
+        tuning.measure(job, job.config(**COMMON), (1, 2, 4, 6, 8, 17) if step.compile else tuning.WIDTHS,
+                       progress=tuning.progress_line)
+        tuned, step.profile = step.profile.to_dict(), kept
+        for variant in variants:
+            if "tuned" in variant.split("+"):
+                profiles[variant] = Profile.from_dict(tuned)
     for variant in variants:  # warm: each variant's first steps measure its profile's new sizes
         options, jobs[variant].step.profile = apply(variant), profiles[variant]
         jobs[variant].generate(encoded[0], **(COMMON | options))

@@ -103,6 +103,9 @@ def main() -> None:
           f"{args.gamma}; {args.prompts} everyday prompts x {args.max_new_tokens} tokens, int4 eager")
     steps = record(args.prompts, args.gamma, args.max_new_tokens)
     print(f"{len(steps)} verified steps; mean accepted {sum(s[2] for s in steps) / len(steps):.3f} of {args.gamma}")
+    reached = [sum(s[2] >= i for s in steps) for i in range(args.gamma + 1)]
+    print("passed at each position, of the drafts that got there: " +
+          ", ".join(f"{reached[i + 1] / reached[i]:.3f} ({reached[i + 1]}/{reached[i]})" for i in range(args.gamma)))
 
     print("\n1. calibration: share accepted among drafts reaching position i, by the draft's top probability q")
     for i in range(args.gamma):

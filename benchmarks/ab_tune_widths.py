@@ -1,0 +1,91 @@
+"""How steady `fuzzyspec tune`'s prices of the target's widths are: timed one width after another (five calls each,
+as tune did before 2026-11-27's night) against in rounds (``tuning.measure_target``: every width once a round, the
+order turned each round), several runs of each in one process, alternating; and a long interleaved reference of
+widths 1 and 2 alone.
+
+Prints each run's milliseconds by width and its 2-token pass over its 1-token one, which decides whether a 1-token
+chain pays (the planner's arithmetic: ``tuning.pays_from``).
+
+Usage: python benchmarks/ab_tune_widths.py [--mode compiled] [--runs 4] [--reference 300]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fuzzyspec import tuning
+from fuzzyspec.api import ModelPair
+from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+from fuzzyspec.loading import cpu_isa
+
+WIDTHS = (1, 2, 4, 6, 8, 17)
+
+
+@torch.inference_mode()
+def passes(step, widths: tuple[int, ...], prefix: int = 128) -> dict:
+    """One call per width, of ``width`` tokens after ``prefix`` cached ones, as ``tuning.measure_target`` makes them."""
+    model = step.model
+    cache = StaticCache.for_model(model.config, 1, 256, step.cache_dtype, "cpu")
+    tokens = torch.randint(0, model.config.vocab_size, (1, prefix + max(widths)), generator=torch.Generator().manual_seed(0))
+    start = torch.zeros(1, dtype=torch.long)
+    step(cache, tokens[:, :prefix], write_positions(start, prefix), write_positions(start, prefix),
+         attention_mask(start, chain_tree(1, prefix, "cpu"), cache.capacity), None, 1)
+    cache.lengths, start = [prefix], torch.tensor([prefix])
+    calls = {}
+    for width in widths:
+        feed, positions = tokens[:, prefix: prefix + width], write_positions(start, width)
+        mask = attention_mask(start, chain_tree(1, width, "cpu"), cache.capacity)
+        calls[width] = lambda feed=feed, positions=positions, mask=mask: step(
+            cache, feed, positions, positions, mask, None, 0, (), compiled=step.compile)
+        calls[width]()
+    return calls
+
+
+def one_after_another(calls: dict, repeats: int = 5) -> dict[int, float]:
+    """Each width warmed and timed ``repeats`` times before the next (tune's way before rounds)."""
+    found = {}
+    with torch.inference_mode():
+        for width, call in calls.items():
+            call()
+            times = []
+            for _ in range(repeats):
+                clock = time.perf_counter()
+                call()
+                times.append(1000 * (time.perf_counter() - clock))
+            found[width] = statistics.median(times)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("eager", "compiled"), default="compiled")
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--reference", type=int, default=300, help="rounds of widths 1 and 2 alone")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    pair = ModelPair.load(draft=None, weights="int4", compile=args.mode == "compiled")
+    print(f"ab_tune_widths: CPU {cpu_isa()}; 2 threads; torch {torch.__version__}; int4 {args.mode}; passes after 128 "
+          f"positions, widths {WIDTHS}")
+    calls = passes(pair.step, WIDTHS)
+    for run in range(args.runs):
+        for way in (("one after another", "in rounds") if run % 2 == 0 else ("in rounds", "one after another")):
+            found = one_after_another(calls) if way == "one after another" else \
+                tuning.measure_target(pair.step, WIDTHS, compiled=pair.step.compile)[0]
+            print(f"  run {run + 1}, {way:17s}: " + " ".join(f"{w}:{ms:.2f}" for w, ms in found.items()) +
+                  f"   2 tokens x{found[2] / found[1]:.3f} 1")
+    times: dict[int, list[float]] = {1: [], 2: []}
+    with torch.inference_mode():
+        for round_ in range(args.reference):
+            for width in ((1, 2) if round_ % 2 else (2, 1)):
+                clock = time.perf_counter()
+                calls[width]()
+                times[width].append(1000 * (time.perf_counter() - clock))
+    one, two = statistics.median(times[1]), statistics.median(times[2])
+    print(f"  reference, {args.reference} rounds of 1 and 2 in turn: 1:{one:.2f} 2:{two:.2f}   2 tokens x{two / one:.3f} 1")
+
+
+if __name__ == "__main__":
+    main()
