@@ -142,7 +142,7 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
     calls each), a compiled 2-token pass of the embedded 4-bit target came out at 0.82x, 0.91x, 1.18x and 1.13x a
     1-token one in four runs right after loading, on a 2-core EPYC; in rounds, 1.02x-1.05x; 300 rounds of the two
     widths alone, 1.06x (in a calm spell later, both ways gave 1.01x-1.08x: ``benchmarks/ab_tune_widths.py``). A
-    `fuzzyspec tune` that had settled 1.25x there left the planner drafting only from a first-draft acceptance near
+    ``fuzzyspec tune`` that had settled 1.25x there left the planner drafting only from a first-draft acceptance near
     the shipped head's own (about 0.48), so whether the default job drafted at all was left to chance (2026-11-27)."""
     model = step.model
     device = model.get_input_embeddings().weight.device
@@ -290,7 +290,10 @@ def pays_from(profile: Profile, drafter: str, cap: int) -> float | None:
     ``drafter`` (up to ``cap`` deep) at all; None where it never does. (Chains alone: where trees are allowed, a
     tree's acceptance is the prior's guess from a chain's, ``cost.widened``, and that guess would decide it.)"""
     chains = Option(drafter, cap)
-    drafts = lambda rate: speedup(chains, _as_seen(rate, chains), profile)[0] != (0, 1)  # noqa: E731
+
+    def drafts(rate: float) -> bool:
+        return speedup(chains, _as_seen(rate, chains), profile)[0] != (0, 1)
+
     if not drafts(1.0):
         return None
     low, high = 0.0, 1.0
@@ -305,7 +308,7 @@ def acceptance_met(profile: Profile, drafter: str, options: dict[str, Option], l
     row starts from and the speed over AR the planner expects of it (``cost.speedup``)."""
     met = {}
     for key, population in profile.populations.items():
-        if key.split("|")[0] != drafter or sum(population.reached.get(1, [0.0])[:1]) < least:
+        if key.split("|")[0] != drafter or (population.reached.get(1) or [0.0])[0] < least:
             continue
         row = Acceptance(population=population)
         met[key] = {"first_draft": population.rate(1),
