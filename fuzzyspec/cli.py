@@ -740,11 +740,13 @@ def _tune(args: argparse.Namespace) -> None:
         measured = tuning.measure(pair, drafter, widths, progress=tuning.progress_line)
         tuning.save(key, step.profile)
         options = tuning.options_of(pair, drafter)
+        expected = tuning.outlook(step.profile, options)
         found = report["profiles"]["compiled" if compiled else "eager"] = {
-            "key": key, **measured, "choices": tuning.choices(step.profile, options),
-            "speedup": tuning.outlook(step.profile, options)}
+            "key": key, **measured,
+            "choices": {name: {rate: shape for rate, (shape, _) in picks.items()} for name, picks in expected.items()},
+            "speedup": {name: {rate: x for rate, (_, x) in picks.items()} for name, picks in expected.items()}}
         if options:  # (the planner's view of this drafter: from what acceptance it drafts, and what decoding met)
-            found["chain_pays_from"] = tuning.pays_from(step.profile, pair.draft.name, drafter.gamma)
+            found["chain_pays_from"] = tuning.pays_from(step.profile, options["chains"])
             found["acceptance_met"] = tuning.acceptance_met(step.profile, pair.draft.name, options)
     from .loading import auto_may_hold_int4
 

@@ -269,28 +269,18 @@ def measure_drafter(pair, breadth: int, sizes: range, prompt: str = "Explain how
         pair.step.profile = kept
 
 
-def choices(profile: Profile, options: dict[str, Option], rates: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
-            ) -> dict[str, dict[float, tuple[int, int]]]:
-    """The draft (depth, breadth) the planner picks for one row at each first-draft acceptance of a chain
-    ``rates`` (``_as_seen``), per option."""
-    return {name: {rate: speedup(option, _as_seen(rate, option), profile)[0] for rate in rates}
-            for name, option in options.items()}
-
-
 def outlook(profile: Profile, options: dict[str, Option], rates: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
-            ) -> dict[str, dict[float, float]]:
-    """Per option, the tokens per second over AR the planner expects of its pick (``cost.speedup``) at each
-    first-draft acceptance of a chain ``rates`` (``_as_seen``)."""
-    return {name: {rate: speedup(option, _as_seen(rate, option), profile)[1] for rate in rates}
+            ) -> dict[str, dict[float, tuple[tuple[int, int], float]]]:
+    """Per option, at each first-draft acceptance of a chain ``rates`` (``_as_seen``): the draft (depth, breadth) the
+    planner picks for one row, and the tokens per second over AR it expects of it (``cost.speedup``)."""
+    return {name: {rate: speedup(option, _as_seen(rate, option), profile) for rate in rates}
             for name, option in options.items()}
 
 
-def pays_from(profile: Profile, drafter: str, cap: int) -> float | None:
-    """The lowest first-draft acceptance (``_as_seen``, to within 0.005) at which the planner drafts a chain of
-    ``drafter`` (up to ``cap`` deep) at all; None where it never does. (Chains alone: where trees are allowed, a
-    tree's acceptance is the prior's guess from a chain's, ``cost.widened``, and that guess would decide it.)"""
-    chains = Option(drafter, cap)
-
+def pays_from(profile: Profile, chains: Option) -> float | None:
+    """The lowest first-draft acceptance (``_as_seen``, to within 0.005) at which the planner drafts at all, drafting
+    ``chains`` (an option without trees); None where it never does. (Chains alone: where trees are allowed, a tree's
+    acceptance is the prior's guess from a chain's, ``cost.widened``, and that guess would decide it.)"""
     def drafts(rate: float) -> bool:
         return speedup(chains, _as_seen(rate, chains), profile)[0] != (0, 1)
 

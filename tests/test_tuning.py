@@ -56,13 +56,14 @@ def test_tune_says_from_what_acceptance_a_chain_pays_and_what_decoding_met():
     cheap.set_measured(TARGET, {w: 10.0 for w in range(1, 7)})
     cheap.set_measured("d:chain", {g: 1.0 * g for g in range(1, 6)})
     cheap.set_measured(OUTSIDE, {1: 0.0})
-    assert abs(tuning.pays_from(cheap, "d", 5) - 0.1) <= 0.005
+    assert abs(tuning.pays_from(cheap, Option("d", 5)) - 0.1) <= 0.005
     dear = Profile()
     dear.set_measured(TARGET, {w: 10.0 * w for w in range(1, 7)})
     dear.set_measured("d:chain", {1: 1.0})
-    assert tuning.pays_from(dear, "d", 5) is None
-    assert tuning.outlook(dear, {"chains": Option("d", 5)}) == {"chains": {0.3: 1.0, 0.5: 1.0, 0.7: 1.0, 0.9: 1.0}}
-    assert all(x > 1.0 for x in tuning.outlook(cheap, {"chains": Option("d", 5)})["chains"].values())
+    assert tuning.pays_from(dear, Option("d", 5)) is None
+    chains = {"chains": Option("d", 5)}
+    assert tuning.outlook(dear, chains) == {"chains": dict.fromkeys((0.3, 0.5, 0.7, 0.9), ((0, 1), 1.0))}
+    assert all(shape[0] >= 1 and x > 1.0 for shape, x in tuning.outlook(cheap, chains)["chains"].values())
 
     for drafter, method, steps in (("d", "sd", 200), ("other", "sd", 200), ("d", "fsd", 5)):
         row = Acceptance(population=cheap.population(population_key(drafter, method, 0.0, True)))
