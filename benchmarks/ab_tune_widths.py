@@ -18,34 +18,14 @@ import torch
 
 from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
-from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from fuzzyspec.loading import cpu_isa
 
 WIDTHS = (1, 2, 4, 6, 8, 17)
 
 
-@torch.inference_mode()
-def passes(step, widths: tuple[int, ...], prefix: int = 128) -> dict:
-    """One call per width, of ``width`` tokens after ``prefix`` cached ones, as ``tuning.measure_target`` makes them."""
-    model = step.model
-    cache = StaticCache.for_model(model.config, 1, 256, step.cache_dtype, "cpu")
-    tokens = torch.randint(0, model.config.vocab_size, (1, prefix + max(widths)), generator=torch.Generator().manual_seed(0))
-    start = torch.zeros(1, dtype=torch.long)
-    step(cache, tokens[:, :prefix], write_positions(start, prefix), write_positions(start, prefix),
-         attention_mask(start, chain_tree(1, prefix, "cpu"), cache.capacity), None, 1)
-    cache.lengths, start = [prefix], torch.tensor([prefix])
-    calls = {}
-    for width in widths:
-        feed, positions = tokens[:, prefix: prefix + width], write_positions(start, width)
-        mask = attention_mask(start, chain_tree(1, width, "cpu"), cache.capacity)
-        calls[width] = lambda feed=feed, positions=positions, mask=mask: step(
-            cache, feed, positions, positions, mask, None, 0, (), compiled=step.compile)
-        calls[width]()
-    return calls
-
-
 def one_after_another(calls: dict, repeats: int = 5) -> dict[int, float]:
-    """Each width warmed and timed ``repeats`` times before the next (tune's way before rounds)."""
+    """Each width of ``calls`` (``tuning.target_calls``) warmed and timed ``repeats`` times before the next (tune's way
+    before rounds)."""
     found = {}
     with torch.inference_mode():
         for width, call in calls.items():
@@ -69,7 +49,7 @@ def main() -> None:
     pair = ModelPair.load(draft=None, weights="int4", compile=args.mode == "compiled")
     print(f"ab_tune_widths: CPU {cpu_isa()}; 2 threads; torch {torch.__version__}; int4 {args.mode}; passes after 128 "
           f"positions, widths {WIDTHS}")
-    calls = passes(pair.step, WIDTHS)
+    calls, _ = tuning.target_calls(pair.step, WIDTHS, compiled=pair.step.compile)
     for run in range(args.runs):
         for way in (("one after another", "in rounds") if run % 2 == 0 else ("in rounds", "one after another")):
             found = one_after_another(calls) if way == "one after another" else \

@@ -144,6 +144,23 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
     widths alone, 1.06x (in a calm spell later, both ways gave 1.01x-1.08x: ``benchmarks/ab_tune_widths.py``). A
     ``fuzzyspec tune`` that had settled 1.25x there left the planner drafting only from a first-draft acceptance near
     the shipped head's own (about 0.48), so whether the default job drafted at all was left to chance (2026-11-27)."""
+    runs, compile_s = target_calls(step, widths, prefix, compiled, progress, capacity)
+    times: dict[int, list[float]] = {width: [] for width in widths}
+    for round_ in range(rounds):
+        for width in widths[round_ % len(widths):] + widths[: round_ % len(widths)]:
+            clock = time.perf_counter()
+            runs[width]()
+            times[width].append(1000 * (time.perf_counter() - clock))
+    return {width: statistics.median(ms) for width, ms in times.items()}, compile_s
+
+
+@torch.inference_mode()
+def target_calls(step: TargetStep, widths: tuple[int, ...], prefix: int = 128, compiled: bool = False,
+                 progress: Callable[[str], None] | None = None, capacity: int = 256
+                 ) -> tuple[dict[int, Callable[[], None]], dict[int, float]]:
+    """For each width, a call of one forward of ``width`` tokens after ``prefix`` cached ones (batch 1, a cache of
+    ``capacity`` positions), made twice already (its first call, compiled: its compilation; and one to warm it);
+    and, compiled, the seconds of each first call. Run the calls under ``torch.inference_mode``, as they were made."""
     model = step.model
     device = model.get_input_embeddings().weight.device
     cache = StaticCache.for_model(model.config, 1, capacity, step.cache_dtype, device)
@@ -157,7 +174,7 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
     start = torch.tensor([prefix], device=device)
     runs: dict[int, Callable[[], None]] = {}
     compile_s: dict[int, float] = {}
-    for width in widths:  # each width's first call (compiled: its compilation) and one more, to warm it
+    for width in widths:
         run_width, _ = step.shape(width, 1)
         feed = tokens[:, prefix: prefix + run_width]
         positions = write_positions(start, run_width)
@@ -175,13 +192,7 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
             compile_s[width] = time.perf_counter() - clock
         run()
         runs[width] = run
-    times: dict[int, list[float]] = {width: [] for width in widths}
-    for round_ in range(rounds):
-        for width in widths[round_ % len(widths):] + widths[: round_ % len(widths)]:
-            clock = time.perf_counter()
-            runs[width]()
-            times[width].append(1000 * (time.perf_counter() - clock))
-    return {width: statistics.median(ms) for width, ms in times.items()}, compile_s
+    return runs, compile_s
 
 
 def prepare(pair, config, capacities: tuple[int, ...] = (256,), progress: Callable[[str], None] | None = None) -> None:
