@@ -14,7 +14,7 @@ chain the target accepted. Prints
 Greedy decoding's tokens do not depend on the mode, so the records are taken eager. The costs are presets from
 profiles the default job filed in ``ab_planner.py`` runs (``results_planner_ab_epyc.txt``), or your own.
 
-Usage: python benchmarks/draft_confidence.py [--prompts 24] [--gamma 4] [--costs native|avx2|eager|T1,T2,..;first,further;outside]
+Usage: python benchmarks/draft_confidence.py [--prompts 24] [--gamma 4] [--weights int4|bf16|fp32] [--costs native|avx2|eager|T1,T2,..;first,further;outside]
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ COSTS = {
 BINS = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
-def record(prompts: int, gamma: int, max_new_tokens: int) -> list[tuple[str, list[float], int]]:
+def record(prompts: int, gamma: int, max_new_tokens: int, weights: str = "int4"
+           ) -> list[tuple[str, list[float], int]]:
     """(category, each drafted token's top draft probability, tokens accepted) for every verified step."""
     steps: list[tuple[str, list[float], int]] = []
     confidences: list[list[float]] = []
@@ -61,7 +62,7 @@ def record(prompts: int, gamma: int, max_new_tokens: int) -> list[tuple[str, lis
 
     eagle.draft_chain = recording
     try:
-        pair = ModelPair.load(draft="eagle", weights="int4")
+        pair = ModelPair.load(draft="eagle", weights=weights)
         for index, (category, prompt) in enumerate(everyday(prompts)):
             config = pair.config(method="sd", tree=False, gamma=gamma, gamma_schedule="constant",
                                  max_new_tokens=max_new_tokens)
@@ -95,13 +96,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--weights", default="int4", help="the target's form: int4 (the default job's on a CPU), "
+                        "bf16 (the form the head trained beside) or fp32")
     parser.add_argument("--costs", default="native,avx2,eager", help="comma-joined presets, or one profile "
                         "'T1,T2,...;first call,further call;outside' (ms; T at widths 1 .. gamma + 1)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"draft_confidence: CPU {cpu_isa()}; torch {torch.__version__}; shipped EAGLE head, greedy SD chains of "
-          f"{args.gamma}; {args.prompts} everyday prompts x {args.max_new_tokens} tokens, int4 eager")
-    steps = record(args.prompts, args.gamma, args.max_new_tokens)
+          f"{args.gamma}; {args.prompts} everyday prompts x {args.max_new_tokens} tokens, {args.weights} eager")
+    steps = record(args.prompts, args.gamma, args.max_new_tokens, args.weights)
     print(f"{len(steps)} verified steps; mean accepted {sum(s[2] for s in steps) / len(steps):.3f} of {args.gamma}")
     reached = [sum(s[2] >= i for s in steps) for i in range(args.gamma + 1)]
     print("passed at each position, of the drafts that got there: " +

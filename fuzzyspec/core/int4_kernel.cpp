@@ -1,5 +1,6 @@
 // Products of activations with llama.cpp's 4-bit and 8-bit weight blocks on an x86 CPU: AVX2, AVX2 with
-// AVX-VNNI, or AVX-512 with VNNI, as the build enables (int4.py picks the flags per machine).
+// AVX-VNNI, or AVX-512 with VNNI, as the build enables (int4.py picks the flags per machine); and, for a draft's
+// logits over 4-bit rows, each output's few highest worked out again from float rows (top_again, at the end).
 //
 // A weight row is blocks of 32 inputs, each with a float16 scale d (and, Q4, a minimum m): w = d q + m with
 // Q4 codes q in 0..15, w = d q with Q8 codes q in -128..127. As llama.cpp does, each token's activations are
@@ -33,6 +34,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -339,14 +342,75 @@ at::Tensor mm_q4(const at::Tensor& x, const at::Tensor& packed) { return product
 
 at::Tensor mm_q8(const at::Tensor& x, const at::Tensor& packed) { return product<Eight>(x, packed); }
 
+// x . w over K floats, 8 lanes at a time.
+float dot(const float* x, const float* w, int64_t K) {
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= K; i += 8) sum = _mm256_add_ps(sum, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i)));
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  float total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+  for (; i < K; ++i) total += x[i] * w[i];
+  return total;
+}
+
+// Each row's k highest logits worked out again from float weight rows (RoundedRows in vocab.py): logits [M, N]
+// (a product over 4-bit rows, rewritten in place), x [M, K] its inputs, weight [V, K] the float rows, ids [N] the
+// weight row of each logit. A row's k highest are found in one pass, 8 values at a time against the least of a
+// sorted list of k, which a value enters only where it beats that least (after the first few hundred values,
+// seldom); then each is x . weight[ids[j]].
+void top_again(at::Tensor logits, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && x.dim() == 2 && weight.dim() == 2 && ids.dim() == 1 &&
+              logits.size(0) == x.size(0) && weight.size(1) == x.size(1) && ids.size(0) == logits.size(1),
+              "logits [M, N], x [M, K], weight [V, K] and ids [N]");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+              weight.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong, "float32 values, int64 ids");
+  TORCH_CHECK(logits.is_contiguous() && x.is_contiguous() && weight.is_contiguous() && ids.is_contiguous(),
+              "contiguous tensors");
+  const int64_t M = logits.size(0), N = logits.size(1), K = x.size(1);
+  k = std::min(k, N);
+  if (k <= 0) return;
+  float* all = logits.data_ptr<float>();
+  const float* inputs = x.data_ptr<float>();
+  const float* rows = weight.data_ptr<float>();
+  const int64_t* row_of = ids.data_ptr<int64_t>();
+  std::vector<float> best(k);
+  std::vector<int64_t> where(k);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = all + m * N;
+    int64_t held = 0;
+    float least = -INFINITY;  // what a value must beat to enter (-inf until k are held)
+    auto enter = [&](float value, int64_t j) {
+      if (!(value > least)) return;
+      int64_t p = held < k ? held++ : k - 1;
+      for (; p > 0 && best[p - 1] < value; --p) {
+        best[p] = best[p - 1];
+        where[p] = where[p - 1];
+      }
+      best[p] = value;
+      where[p] = j;
+      if (held == k) least = best[k - 1];
+    };
+    int64_t j = 0;
+    for (; j + 8 <= N; j += 8) {
+      int above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(least), _CMP_GT_OQ));
+      for (; above; above &= above - 1) enter(row[j + __builtin_ctz(above)], j + __builtin_ctz(above));
+    }
+    for (; j < N; ++j) enter(row[j], j);
+    for (int64_t i = 0; i < held; ++i) row[where[i]] = dot(inputs + m * K, rows + row_of[where[i]] * K, K);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fuzzyspec_int4, m) {
   m.def("mm_q4(Tensor x, Tensor packed) -> Tensor");
   m.def("mm_q8(Tensor x, Tensor packed) -> Tensor");
+  m.def("top_again(Tensor(a!) logits, Tensor x, Tensor weight, Tensor ids, int k) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fuzzyspec_int4, CPU, m) {
   m.impl("mm_q4", &mm_q4);
   m.impl("mm_q8", &mm_q8);
+  m.impl("top_again", &top_again);
 }

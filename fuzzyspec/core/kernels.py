@@ -3,7 +3,8 @@ under the fuzzyspec cache.
 
 It holds two kernels, each with one job:
 
-- ``int4_kernel.cpp``: products of activations with llama.cpp's 4-bit and 8-bit weight blocks (``core.int4``);
+- ``int4_kernel.cpp``: products of activations with llama.cpp's 4-bit and 8-bit weight blocks (``core.int4``), and
+  the few highest of a draft's logits over 4-bit rows worked out again from float rows (``core.vocab.RoundedRows``);
 - ``layer_kernel.cpp``: attention over a static cache one query at a time (``core.attention``), and an eager float32
   step's RMSNorm, and its rotary embedding with the cache writes, one call each (``core.step``); and a tree's kept
   path moved down in every layer's cache, one call a step (``core.kvcache``).

@@ -113,16 +113,52 @@ def most_frequent(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> 
 
 def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab) -> nn.Module:
     """A frozen copy of ``lm_head``'s rows for the draft vocabulary's tokens: logits over N, not V. A float head
-    gives float rows; an 8-bit head (a GGUF target's) gives 4-bit rows (Q4_1, rounded from its 8-bit ones). A
-    draft's logits need not be exact, and these rows are read from memory after every target pass, where their
-    bytes are most of what a draft step costs (on an AVX-512 CPU, 16,384 rows: 193 us cold in 4 bits, 382 in 8;
-    the default job 1-4% faster, accepting as much: benchmarks/results_planner_ab_epyc.txt, 2026-11-26)."""
-    from .int4 import Int4Linear, Int8Linear
+    gives float rows; an 8-bit head (a GGUF target's) gives 4-bit rows whose highest logits are worked out again
+    from its 8-bit ones (``RoundedRows``)."""
+    from .int4 import Int8Linear
 
     if isinstance(lm_head, Int8Linear):
-        return Int4Linear.rounded(lm_head.weight.detach().index_select(0, vocab.target_ids.to(lm_head.weight.device)))
+        return RoundedRows(lm_head, vocab)
     weight = lm_head.weight
     head = nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
     head.weight.data.copy_(weight.detach().index_select(0, vocab.target_ids.to(weight.device)))
     head.requires_grad_(False)
     return head
+
+
+RESCORED = 8  # logits per output that ``RoundedRows`` works out again: a default tree's 4 children, and room
+
+
+class RoundedRows(nn.Module):
+    """The draft vocabulary's rows of an 8-bit LM head (``int4.Int8Linear``) held at 4 bits (Q4_1, rounded from the
+    8-bit rows), the ``RESCORED`` highest logits of each output then worked out again from the 8-bit rows.
+
+    Why 4 bits: the rows are read from memory after every target pass, where their bytes are most of what a draft
+    step costs (on an AVX-512 CPU, 16,384 rows: 193 us cold in 4 bits, 382 in 8). Why the top logits again: the
+    rounding moves which token comes first. Greedy chains of 4 from the shipped EAGLE head beside the embedded
+    4-bit target, on the same 24 everyday answers: first drafts passed 48.1% of the time with 4-bit rows and 50.4%
+    with float ones (1.769 against 1.828 tokens a pass); with the top 4 or 16 logits worked out again, 50.3% and
+    50.4% (1.828 both). Those few rows are read from the target's float copy of its 8-bit head (its tied
+    embedding, which lookups read anyway), so nothing is held twice. One call of our kernel (``top_again``) does it
+    in 8 us (PyTorch's topk, gathers and scatter took 37); in decoding no speed difference was shown (a fixed
+    1-token chain 1.125x compiled AR against 1.124x with the 4-bit rows alone: benchmarks/ab_draft_rows.py,
+    results_planner_ab_epyc.txt O62)."""
+
+    def __init__(self, lm_head: nn.Module, vocab: DraftVocab) -> None:
+        from .int4 import Int4Linear
+
+        super().__init__()
+        exact = lm_head.weight.detach().float()  # [V, H]: the 8-bit rows' values (a GGUF target's: float32 already)
+        ids = vocab.target_ids.to(exact.device)
+        if int(ids[-1]) >= exact.shape[0]:  # (the kernel reads rows by these ids unchecked)
+            raise ValueError(f"a draft vocabulary up to token {int(ids[-1])} for an LM head of {exact.shape[0]} rows")
+        self.rows = Int4Linear.rounded(exact.index_select(0, ids))
+        self.exact = exact.contiguous()  # (a plain tensor: not this module's to save or move)
+        self.register_buffer("target_ids", ids, persistent=False)
+        self.out_features, self.in_features = self.rows.out_features, self.rows.in_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        inputs = x.reshape(-1, x.shape[-1]).float().contiguous()
+        logits = self.rows(inputs).float().contiguous()
+        torch.ops.fuzzyspec_int4.top_again(logits, inputs, self.exact, self.target_ids, RESCORED)
+        return logits.view(*x.shape[:-1], logits.shape[-1])

@@ -181,21 +181,32 @@ def test_a_float_weight_rounded_to_q4_1_moves_by_half_a_step_at_most():
     assert layer.codes().min() == 0 and layer.codes().max() == 15  # each block spans the grid
 
 
-def test_a_reduced_draft_vocabulary_of_an_8_bit_head_reads_4_bit_rows():
+def test_a_reduced_draft_vocabulary_of_an_8_bit_head_reads_4_bit_rows_and_its_top_logits_exactly():
     """An EAGLE head with a draft vocabulary reads those rows of the target's LM head after every target pass;
-    of a GGUF target's 8-bit head, they are kept in 4 bits (a draft's logits need not be exact)."""
-    from fuzzyspec.core.vocab import DraftVocab, reduced_lm_head
+    of a GGUF target's 8-bit head, they are kept in 4 bits, and each output's few highest logits are worked out
+    again from the 8-bit rows, so the rounding does not move which token a draft proposes."""
+    from fuzzyspec.core.vocab import RESCORED, DraftVocab, RoundedRows, reduced_lm_head
 
     generator = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
     head = Int8Linear.rounded(torch.nn.Linear(64, 96, bias=False))
-    vocab = DraftVocab(torch.tensor([0, 5, 17, 40, 41, 95]), 96)
-    rows = reduced_lm_head(head, vocab)
-    assert isinstance(rows, Int4Linear) and (rows.out_features, rows.in_features) == (6, 64)
-    x = torch.randn(3, 64, generator=generator)
-    expected = head(x)[:, vocab.target_ids]
-    torch.testing.assert_close(rows(x), expected, rtol=0.1, atol=0.1 * float(expected.abs().max()))
-    float_rows = reduced_lm_head(torch.nn.Linear(64, 96, bias=False), vocab)
-    assert type(float_rows) is torch.nn.Linear and float_rows.out_features == 6
+    ids = torch.arange(0, 96, 2)
+    rows = reduced_lm_head(head, DraftVocab(ids, 96))
+    assert isinstance(rows, RoundedRows) and isinstance(rows.rows, Int4Linear)
+    assert (rows.out_features, rows.in_features) == (48, 64)
+    x = torch.randn(2, 5, 64, generator=generator)  # (any leading shape: a tree level's nodes, a chain's one)
+    exact = x @ head.weight[ids].T
+    rounded, logits = rows.rows(x), rows(x)
+    torch.testing.assert_close(rounded, exact, rtol=0.1, atol=0.1 * float(exact.abs().max()))
+    top = rounded.topk(RESCORED, -1).indices
+    torch.testing.assert_close(logits.gather(-1, top), exact.gather(-1, top))
+    others = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(logits[others], rounded[others])
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    few = torch.tensor([0, 5, 17, 40, 41, 95])  # fewer rows than RESCORED: every logit is worked out again
+    torch.testing.assert_close(reduced_lm_head(head, DraftVocab(few, 96))(x), x @ head.weight[few].T)
+    float_rows = reduced_lm_head(torch.nn.Linear(64, 96, bias=False), DraftVocab(ids, 96))
+    assert type(float_rows) is torch.nn.Linear and float_rows.out_features == 48
 
 
 def test_a_drafter_of_an_int4_target_reads_its_own_layers_at_8_bits_and_stays_lossless(tmp_path):
