@@ -4,7 +4,9 @@ equally often: ``turns.py``), each with its own copy of the cost profile (measur
 
 A variant is ``ar``, ``chainN`` (every step an N-token EAGLE chain), ``trees`` (every step a whole EAGLE-2 tree of
 the default size, unplanned), or ``+``-joined changes to the planner as
-shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``hfhead`` (its
+shipped: ``q8rows`` (its drafter's LM head rows at 8 bits, as before they were rounded to 4 bits), ``q4rows`` (its
+drafter's LM head rows at 4 bits alone, as before their highest logits were worked out again from the 8-bit rows,
+``vocab.RoundedRows``, 2026-11-27), ``hfhead`` (its
 EAGLE head called through transformers' decoder layer, eager, as before ``drafters.head_step``), ``q4head`` (its
 EAGLE head's layers at 4 bits, Q4_1, rounded from their 8 bits), ``planN`` (the draft sizes planned every N steps;
 ``plan1``: every step, as before ``engine.PLAN_EVERY``), ``chains`` (chains only, no trees), ``fixedprior`` (every
@@ -25,6 +27,8 @@ target's cache by two indexing operations a layer's tensor, as before ``layer_ke
 2026-11-27), ``head2``,
 ``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
 job of its own: two heads compared alike);
+``doubtN`` (a row stops drafting only where drafting loses with its acceptances raised by N/10 standard errors,
+``cost.DOUBT``; ``doubt0``: as before 2026-11-27, late evening, when it stopped wherever its estimate said so),
 ``poolar`` (a row drafts nothing only where its drafter's acceptance over all rows would draft nothing too:
 ``pooled_ar``), ``tuned`` (the job as shipped, from the profile ``fuzzyspec tune`` would leave: ``tuning.measure`` after preparing,
 where every other variant starts from an empty one);
@@ -60,7 +64,7 @@ from turns import balanced_turns  # noqa: E402
 
 from fuzzyspec import tuning  # noqa: E402
 from fuzzyspec.api import ModelPair  # noqa: E402
-from fuzzyspec.core import cost, engine, int4, kvcache, step as step_module  # noqa: E402
+from fuzzyspec.core import cost, engine, int4, kvcache, step as step_module, vocab as vocab_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
 from fuzzyspec.data import is_held_out, read_sharegpt  # noqa: E402
@@ -71,8 +75,8 @@ from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa
 from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
-SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "PRIOR_ACCEPTANCE", "PRIOR_WIDER", "_fold",
-                                                  "PACE_SHARE", "PACE_CLAMP", "context_band")}
+SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "DOUBT", "PRIOR_ACCEPTANCE", "PRIOR_WIDER",
+                                                  "_fold", "PACE_SHARE", "PACE_CLAMP", "context_band")}
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_FUSED = step_module._fused
@@ -93,7 +97,7 @@ SHIPPED_KERNELS = kvcache.kernels
 DIRECT: dict = {}  # each EAGLE head step's direct calls, as ``prepare`` made them (``dynamohead`` sets them aside)
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
-OWN_JOB = {"q8rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}
+OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -101,6 +105,11 @@ def mean_fold(measured: dict[int, float], x: int, ms: float) -> None:
     """Costs as the planner kept them before 2026-11-26: a fifth of the way to each measurement, at most half."""
     old = measured.get(x)
     measured[x] = ms if old is None else old + 0.2 * max(-old / 2, min(old / 2, ms - old))
+
+
+def logits_module(head: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
+    """The module ``head_logits`` reads an EAGLE head's draft vocabulary's rows through."""
+    return vocab_module.reduced_lm_head(target.get_output_embeddings(), head.vocab)
 
 
 def four_bit(head: torch.nn.Module) -> torch.nn.Module:
@@ -166,6 +175,9 @@ def apply(variant: str) -> dict:
             cost.context_band = lambda context: 0
         elif part == "meanfold":
             cost._fold = mean_fold
+        elif part.startswith("doubt") and part[5:].isdigit():  # a row stops drafting only where drafting loses with
+            cost.DOUBT = int(part[5:]) / 10  # its acceptances raised by N/10 standard errors (doubt0: as before
+            # 2026-11-27, late evening, when it stopped wherever its estimate said drafting lost)
         elif part.startswith("w") and "m" in part:
             cost.PRIOR_WEIGHT = float(part[1: part.index("m")])
             cost.MEMORY = float("0." + part[part.index("m") + 1:])
@@ -266,6 +278,11 @@ def main() -> None:
             if rows is None:
                 raise SystemExit("q8rows needs the int4 form (an 8-bit LM head)")
             logits = lambda out, rows=rows: rows(out).float()  # noqa: E731
+        if "q4rows" in parts:  # 4-bit rows alone, as before 2026-11-27 (their top logits worked out again since)
+            rounded = getattr(logits_module(variant_head, pair.target), "rows", None)
+            if rounded is None:
+                raise SystemExit("q4rows needs the int4 form (an 8-bit LM head)")
+            logits = lambda out, rows=rounded: rows(out).float()  # noqa: E731
 
         def make(vocab_size: int, logits=logits, parts=parts, variant_head=variant_head, own_head=own_head
                  ) -> EagleDrafter | CopyFirst:

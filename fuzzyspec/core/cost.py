@@ -11,7 +11,9 @@ The planner picks every row's (g, k) to maximise tokens per second, sum E_b / (T
 with T, S (what a step of B rows that drafts nothing spends outside the forward: sampling, bookkeeping) and D
 from a ``Profile`` of measured times; g = 0 (propose nothing) is always a candidate, so a row for
 which speculation does not pay runs as autoregressive decoding: a default job is never slower than AR
-by the profile's own measure. The breadth matters where a wide forward is dear: a 4-wide tree of depth 1 is
+by the profile's own measure, but for rows too new to tell: a row stops drafting only where drafting loses
+with its acceptances raised by ``DOUBT`` standard errors (a stopped row measures nothing, so a low estimate
+would otherwise never be put right). The breadth matters where a wide forward is dear: a 4-wide tree of depth 1 is
 5 tokens to verify, a chain of depth 1 two. The choice is a pure function of the profile and the rows'
 statistics.
 
@@ -59,6 +61,14 @@ PRIOR_WIDER = 0.15      # the share of a chain's misses each further child per n
 # (where drafting hardly pays), the same as before within a run's noise (benchmarks/results_planner_ab_epyc.txt).
 PRIOR_WEIGHT = 10.0     # in steps: how soon a row's own data outweighs the prior
 MEMORY = 0.99           # a row's counts fade by this per step, so a long answer's estimate follows its text
+# A row stops drafting only where drafting loses even with its acceptances raised by DOUBT standard errors (``plan``).
+# A stopped row measures nothing, so an estimate swung low by a few early misses stayed low: in one run over the 64
+# everyday prompts (compiled int4; benchmarks/results_plan_log_epyc_2026-11-27.txt), rows whose first four drafts all
+# failed drafted nothing in 24 of their next 28 plans, 31 of 32, where break-even had risen near the prior, and the
+# job sent 49% of its steps to AR (1.089x AR against a fixed 1-token chain's 1.125x). Near break-even a draft costs
+# little whichever way it goes, so trying on costs little. In six paired runs (O63-O68 in
+# benchmarks/results_planner_ab_epyc.txt) it cut the steps at AR from 2-21% to 1-3%, at the same speed (0.989-1.030x).
+DOUBT = 1.0
 POPULATION_MEMORY = 0.999  # a drafter's acceptance over all rows (a new row's prior) fades this much a step
 TRIALS = 3              # measurements of a new size before the planner trusts its cost
 STRIDE = 0.02           # how far one measurement moves a cost's running median, as a share of it
@@ -311,19 +321,26 @@ class Acceptance:
         population's rate where it has one, else ``PRIOR_ACCEPTANCE`` widened to the breadth."""
         return self.rates(depth, breadth)[-1]
 
-    def rates(self, cap: int, breadth: int = 1) -> list[float]:
-        """a_1(breadth) .. a_cap(breadth) (see ``rate``), worked out together (the planner reads them every step)."""
+    def rates(self, cap: int, breadth: int = 1, doubt: float = 0.0) -> list[float]:
+        """a_1(breadth) .. a_cap(breadth) (see ``rate``), worked out together (the planner reads them every step);
+        each raised by ``doubt`` standard errors, a(1 - a) over the drafts it stands on (the row's, faded, and the
+        prior's ``PRIOR_WEIGHT``), where ``doubt`` is given."""
         priors = self.population.rates(cap, breadth) if self.population is not None else \
             [widened(PRIOR_ACCEPTANCE, breadth)] * cap
         reached, passed = self.reached.get(breadth, []), self.passed.get(breadth, [])
         counted = len(reached)
-        return [((passed[i] if i < counted else 0.0) + prior * PRIOR_WEIGHT) /
-                ((reached[i] if i < counted else 0.0) + PRIOR_WEIGHT) for i, prior in enumerate(priors)]
+        rates = []
+        for i, prior in enumerate(priors):
+            drafts = (reached[i] if i < counted else 0.0) + PRIOR_WEIGHT
+            rate = ((passed[i] if i < counted else 0.0) + prior * PRIOR_WEIGHT) / drafts
+            rates.append(min(1.0, rate + doubt * math.sqrt(rate * (1 - rate) / drafts)) if doubt else rate)
+        return rates
 
-    def expected(self, cap: int, breadth: int = 1) -> list[float]:
-        """E(g, breadth) for g = 0 .. cap: tokens a step yields with drafts g deep."""
+    def expected(self, cap: int, breadth: int = 1, doubt: float = 0.0) -> list[float]:
+        """E(g, breadth) for g = 0 .. cap: tokens a step yields with drafts g deep (with acceptances raised by
+        ``doubt`` standard errors: ``rates``)."""
         totals, chance = [1.0], 1.0
-        for rate in self.rates(cap, breadth):
+        for rate in self.rates(cap, breadth, doubt):
             chance *= rate
             totals.append(totals[-1] + chance)
         return totals
@@ -427,6 +444,8 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
     # below are arithmetic (the planner runs every step; evaluating each candidate from scratch took 0.7 ms a step
     # under a profiler, 0.1 ms now unprofiled for trees up to 8 wide and 6 deep).
     tables = [_candidates(option, acceptance, profile) for option, acceptance in zip(options, acceptances)]
+    hopes = [_candidates(option, acceptance, profile, DOUBT) for option, acceptance in zip(options, acceptances)] \
+        if DOUBT else tables
     outside = profile.outside_ms(rows)
     forward: dict[int, float] = {}  # by nodes
     padded: dict[tuple[int, int], float] = {}  # by the shape a step runs at (many node counts share one)
@@ -452,7 +471,12 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
                 ms = forward_ms(max(widest, entry[2])) + drafting + entry[3]
                 return (tokens + entry[1]) / ms if ms > 0 else math.inf
 
-            best = max(table, key=lambda entry: (rate(entry), -entry[2], -entry[0][0]))
+            def order(entry: tuple) -> tuple:
+                return rate(entry), -entry[2], -entry[0][0]
+
+            best = max(table, key=order)
+            if best[0] == (0, 1) and max(hopes[b], key=order)[0] != (0, 1):  # not sure enough to stop (``DOUBT``)
+                best = max(table[1:], key=order)
             changed |= best[0] != chosen[b]
             chosen[b], picked[b] = best[0], best
         if not changed:
@@ -463,7 +487,7 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
 def speedup(option: Option, acceptance: Acceptance, profile: Profile, context: int = 0) -> tuple[tuple[int, int], float]:
     """The draft (depth, breadth) ``plan`` picks for one row, and the tokens per millisecond it expects of it over
     AR's by the same measure: E(g, k) / (T(1 + n) + S + D(g, k)) against 1 / (T(1) + S). 1.0 where it drafts
-    nothing; never below, since drafting nothing is always a candidate."""
+    nothing; below it only where the row's acceptance is too uncertain to stop drafting on (``DOUBT``)."""
     (chosen,) = plan([option], [acceptance], profile, context=context)
     if chosen == (0, 1):
         return chosen, 1.0
@@ -494,10 +518,11 @@ def copy_length(acceptance: Acceptance, profile: Profile, cap: int,
     return max(range(1, cap + 1), key=lambda length: (rate(length), -length))
 
 
-def _candidates(option: Option, acceptance: Acceptance, profile: Profile
+def _candidates(option: Option, acceptance: Acceptance, profile: Profile, doubt: float = 0.0
                 ) -> list[tuple[tuple[int, int], float, int, float]]:
-    """(shape, expected tokens, nodes, drafting ms) of every shape ``option`` may draft (``Option.shapes``)."""
-    expected = {breadth: acceptance.expected(option.cap, breadth) for breadth in option.breadths()}
+    """(shape, expected tokens, nodes, drafting ms) of every shape ``option`` may draft (``Option.shapes``; (0, 1)
+    first), acceptances raised by ``doubt`` standard errors (``Acceptance.rates``)."""
+    expected = {breadth: acceptance.expected(option.cap, breadth, doubt) for breadth in option.breadths()}
     costs = {breadth: profile.draft_costs(option.key(breadth)) for breadth in option.breadths()}
     return [((depth, breadth), expected[breadth][depth], option.nodes(depth, breadth),
              _lookup(costs[breadth], depth) if depth else 0.0) for depth, breadth in option.shapes()]

@@ -408,6 +408,27 @@ def test_a_row_that_stopped_drafting_tries_again():
     assert 5 < waited < 300
 
 
+def test_a_row_stops_drafting_only_where_it_is_sure_drafting_loses(monkeypatch):
+    """Four misses at an answer's start put a row's estimate under break-even, on 14 drafts' worth of evidence (its
+    own and the prior's): it drafts on, where before it stopped, and a stopped row measures nothing, so it stayed
+    stopped. Forty misses in fifty drafts stop it."""
+    from fuzzyspec.core import cost
+
+    profile = Profile(target={1: 10.0, 2: 12.5}, draft={"d:chain": {1: 2.5}}, outside={1: 1.0})
+    even = (12.5 + 2.5 + 1.0) / (10.0 + 1.0) - 1  # the first-draft acceptance at which a 1-token chain pays
+    unlucky = Acceptance()
+    for _ in range(4):
+        unlucky.record(proposed=1, ranks=[])
+    assert unlucky.rate(1) < even < unlucky.rates(1, doubt=cost.DOUBT)[0]
+    assert plan([Option("d", 1)], [unlucky], profile) == [(1, 1)]
+    poor = Acceptance()
+    for step in range(50):
+        poor.record(proposed=1, ranks=[1] if step % 5 == 0 else [])
+    assert plan([Option("d", 1)], [poor], profile) == [(0, 1)]
+    monkeypatch.setattr(cost, "DOUBT", 0.0)  # as before: wherever the estimate says drafting loses
+    assert plan([Option("d", 1)], [unlucky], profile) == [(0, 1)]
+
+
 def test_a_draft_is_priced_at_all_it_adds_to_a_step(monkeypatch):
     """What a step that drafts spends beyond its forward and beyond a step that drafts nothing is the draft's cost:
     here a slow judge of drafts, which the proposal's own time would not show."""
