@@ -66,8 +66,9 @@ MEMORY = 0.99           # a row's counts fade by this per step, so a long answer
 # everyday prompts (compiled int4; benchmarks/results_plan_log_epyc_2026-11-27.txt), rows whose first four drafts all
 # failed drafted nothing in 24 of their next 28 plans, 31 of 32, where break-even had risen near the prior, and the
 # job sent 49% of its steps to AR (1.089x AR against a fixed 1-token chain's 1.125x). Near break-even a draft costs
-# little whichever way it goes, so trying on costs little. In six paired runs (O63-O68 in
-# benchmarks/results_planner_ab_epyc.txt) it cut the steps at AR from 2-21% to 1-3%, at the same speed (0.989-1.030x).
+# little whichever way it goes, so trying on costs little. In eight paired runs (O63-O70 in
+# benchmarks/results_planner_ab_epyc.txt) it cut the steps at AR from 2-21% to 1-3%: the same speed natively
+# (0.989-1.010x), 0.997-1.036x on the AVX2 class (emulated).
 DOUBT = 1.0
 POPULATION_MEMORY = 0.999  # a drafter's acceptance over all rows (a new row's prior) fades this much a step
 TRIALS = 3              # measurements of a new size before the planner trusts its cost
