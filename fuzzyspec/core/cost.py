@@ -445,8 +445,7 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
     # below are arithmetic (the planner runs every step; evaluating each candidate from scratch took 0.7 ms a step
     # under a profiler, 0.1 ms now unprofiled for trees up to 8 wide and 6 deep).
     tables = [_candidates(option, acceptance, profile) for option, acceptance in zip(options, acceptances)]
-    hopes = [_candidates(option, acceptance, profile, DOUBT) for option, acceptance in zip(options, acceptances)] \
-        if DOUBT else tables
+    hopes: dict[int, list] = {}  # a row's candidates with its acceptances raised (``DOUBT``), made where it would stop
     outside = profile.outside_ms(rows)
     forward: dict[int, float] = {}  # by nodes
     padded: dict[tuple[int, int], float] = {}  # by the shape a step runs at (many node counts share one)
@@ -476,8 +475,11 @@ def plan(options: list[Option], acceptances: list[Acceptance], profile: Profile,
                 return rate(entry), -entry[2], -entry[0][0]
 
             best = max(table, key=order)
-            if best[0] == (0, 1) and max(hopes[b], key=order)[0] != (0, 1):  # not sure enough to stop (``DOUBT``)
-                best = max(table[1:], key=order)
+            if best[0] == (0, 1) and DOUBT:
+                if b not in hopes:
+                    hopes[b] = _candidates(options[b], acceptances[b], profile, DOUBT)
+                if max(hopes[b], key=order)[0] != (0, 1):  # not sure enough to stop
+                    best = max(table[1:], key=order)
             changed |= best[0] != chosen[b]
             chosen[b], picked[b] = best[0], best
         if not changed:
