@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
 
 from .draftlm import cut_layers
 from ..core.kvcache import DraftCache
@@ -297,7 +298,8 @@ def load_eagle3(folder: str | Path, target: PreTrainedModel) -> Eagle3Head:
         raise ValueError(f"the EAGLE-3 head at {folder} maps into {vocab.target_size} target tokens, the target has "
                          f"{target.config.vocab_size}: it was trained for another target")
     weights.pop("embed_tokens.weight", None)  # some releases store the target's embedding: ours is used
-    head = _build(config, vocab, target)
+    with no_init_weights():  # every weight is loaded below (a missing one is refused): a random start is waste
+        head = _build(config, vocab, target)
     missing, unexpected = head.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb") and not (k.startswith("lm_head") and
                                                                              not head.stores_lm_head)]

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
 
 from ..core.kvcache import DraftCache, cache_keyword, model_mask
 from ..core.vocab import DraftVocab
@@ -112,7 +113,8 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> EagleHead:
         raise ValueError(f"no EAGLE head weights in {folder} (model.safetensors or pytorch_model.bin)")
     weights.pop("embed_tokens.weight", None)  # some releases store the target's embedding: ours is used
     vocab = DraftVocab.from_maps(weights.pop("d2t"), weights.pop("t2d", None)) if "d2t" in weights else None
-    head = EagleHead.for_target(target, config)
+    with no_init_weights():  # every weight is loaded below (a missing one is refused): a random start is waste
+        head = EagleHead.for_target(target, config)
     head.vocab = vocab
     missing, unexpected = head.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb")]
