@@ -284,6 +284,37 @@ def test_version_threads_and_python_dash_m(capsys, tiny_dirs):
     assert done.returncode == 0 and "generate" in done.stdout
 
 
+COLLECTOR_SEEN = """
+import atexit, gc, sys
+from fuzzyspec import cli
+seen = []
+load = cli._load_pair
+def traced(*args, **kwargs):
+    seen.append(gc.isenabled())
+    pair = load(*args, **kwargs)
+    seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+    return pair
+cli._load_pair = traced
+atexit.register(lambda: print("seen", seen))
+sys.argv = ["fuzzyspec", "generate", "hi", "--method", "ar", "--max-new-tokens", "2", "--target", sys.argv[1]]
+cli.run()
+"""
+
+
+def test_the_collector_waits_for_start_up_in_a_process_of_its_own_and_only_there(capsys, tiny_dirs):
+    """The console script (``run``) holds Python's garbage collector off while a command starts, and turns it on,
+    start-up's objects frozen, once the models are loaded; ``main`` called from Python leaves it as it was."""
+    done = subprocess.run([sys.executable, "-c", COLLECTOR_SEEN, tiny_dirs["target"]], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "seen [False, (True, True)]"
+    import gc
+
+    frozen = gc.get_freeze_count()
+    assert main(["generate", "hi", "--target", tiny_dirs["target"], "--method", "ar", "--max-new-tokens", "2"]) == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
 def test_a_prompt_longer_than_the_context_is_refused_before_decoding(capsys, tiny_dirs):
     fails_cleanly(capsys, ["generate", "hi " * 2000, "--target", tiny_dirs["target"], "--method", "ar"],
                   "the target's context holds")
