@@ -95,8 +95,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("top_k", 0, "0 = off", "top_k", hook=False, group="sampling"),
     Option("top_p", 1.0, "1 = off", "top_p", hook=False, group="sampling"),
     Option("seed", None, "random seed (none: a fresh one)", "seed", group="sampling"),
-    # 512: 29 of 32 everyday answers of the embedded target end by then (at 128, 16 of them were cut mid-sentence;
-    # the README's own example among them); the other 3 repeat themselves to any limit
+    # 512: 29 of 32 everyday answers of the embedded target end by then; at 128, 16 of them were cut off, the
+    # README's own example among them (benchmarks/results_start_up_epyc_2026-11-27.txt). The other 3 ran to 1,024.
     Option("max_new_tokens", 512, "tokens to generate at most", "max_tokens", hook=False, group="sampling"),
 )
 BY_NAME = {option.name: option for option in OPTIONS}
