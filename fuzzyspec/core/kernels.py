@@ -97,10 +97,12 @@ def _build() -> str | None:
         return f"the CPU kernels need an x86 CPU with AVX2 (this is {platform.machine()})"
     from torch.utils import cpp_extension
 
-    # The build is these sources, with these flags, for this torch: a change to any builds anew, beside the old one.
+    # The build is these sources, at this path, with these flags, for this torch: a change to any builds anew, beside
+    # the old one. (The path too: ninja rebuilds a file whose command changed, and the command names the sources'
+    # path, so two copies of one version, an installed one and a checkout, rebuilt each other's every time.)
     flags = build_flags()
-    built_from = b"".join(source.read_bytes() for source in SOURCES) + " ".join(flags).encode() + \
-        torch.__version__.encode()
+    built_from = b"".join(source.read_bytes() for source in SOURCES) + str(SOURCES[0].parent).encode() + \
+        " ".join(flags).encode() + torch.__version__.encode()
     digest = hashlib.sha256(built_from).hexdigest()[:12]
     name = f"fuzzyspec_int4_{digest}"
     folder = cache_dir() / "kernels" / name
