@@ -1,3 +1,4 @@
+import gc
 import json
 import re
 import subprocess
@@ -301,15 +302,13 @@ cli.run()
 """
 
 
-def test_the_collector_waits_for_start_up_in_a_process_of_its_own_and_only_there(capsys, tiny_dirs):
+def test_the_collector_waits_for_start_up_in_a_process_of_its_own_and_only_there(tiny_dirs):
     """The console script (``run``) holds Python's garbage collector off while a command starts, and turns it on,
     start-up's objects frozen, once the models are loaded; ``main`` called from Python leaves it as it was."""
     done = subprocess.run([sys.executable, "-c", COLLECTOR_SEEN, tiny_dirs["target"]], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "seen [False, (True, True)]"
-    import gc
-
     frozen = gc.get_freeze_count()
     assert main(["generate", "hi", "--target", tiny_dirs["target"], "--method", "ar", "--max-new-tokens", "2"]) == 0
     assert gc.isenabled() and gc.get_freeze_count() == frozen
