@@ -32,6 +32,7 @@ job of its own: two heads compared alike);
 ``poolar`` (a row drafts nothing only where its drafter's acceptance over all rows would draft nothing too:
 ``pooled_ar``), ``tuned`` (the job as shipped, from the profile ``fuzzyspec tune`` would leave: ``tuning.measure`` after preparing,
 where every other variant starts from an empty one);
+``norefresh`` (no plan drafts a 1-token chain to re-measure its pass, as before ``engine.REFRESH``, 2026-11-28);
 ``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``, ``ar+f32cache``).
 The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
@@ -79,6 +80,7 @@ SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "DOU
                                                   "_fold", "PACE_SHARE", "PACE_CLAMP", "context_band")}
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
+SHIPPED_REFRESH = engine.REFRESH
 SHIPPED_FUSED = step_module._fused
 SHIPPED_COPY_LENGTH = engine.copy_length
 SHIPPED_PLAN = engine.plan
@@ -129,6 +131,7 @@ def apply(variant: str) -> dict:
         setattr(cost, name, value)
     Profile.population = POPULATION
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
+    engine.REFRESH = SHIPPED_REFRESH
     step_module._fused = SHIPPED_FUSED
     engine.copy_length = SHIPPED_COPY_LENGTH
     engine.plan = SHIPPED_PLAN
@@ -164,6 +167,8 @@ def apply(variant: str) -> dict:
                 step._direct = {}
         elif part == "indexkeep":  # kept paths moved by indexing, as before keep_columns (2026-11-27)
             kvcache.kernels = types.SimpleNamespace(loaded=lambda: False)
+        elif part == "norefresh":  # no plan re-measures a 1-token chain's pass, as before engine.REFRESH (2026-11-28)
+            engine.REFRESH = 10**9
         elif part == "chains":
             options["tree"] = False
         elif part == "poolar":  # a row stops drafting only where its drafter's rows overall would (``pooled_ar``)

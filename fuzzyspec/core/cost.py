@@ -128,6 +128,7 @@ class Profile:
     trials: dict[tuple[str, int], int] = field(default_factory=dict)  # tentative sizes: measurements so far
     pace: float = 1.0  # how slow the machine runs now, against the costs held (see above)
     longer: dict[int, dict[int, float]] = field(default_factory=dict)  # band -> width -> ms, one row, past SHORT
+    plans: int = 0  # plans made with it in this process (``engine.REFRESH``)
 
     def target_ms(self, width: int, rows: int = 1, context: int = 0) -> float:
         """A forward of ``rows`` rows of ``width`` tokens; one row's after ``context`` positions. A row count not yet
@@ -187,13 +188,9 @@ class Profile:
     def observe_target(self, width: int, ms: float, rows: int = 1, context: int = 0) -> None:
         """File a forward of ``rows`` rows of ``width`` tokens (one row's after ``context`` positions) that took
         ``ms``."""
-        band = context_band(context)
-        if rows > 1:
-            key, measured = _batch_key(rows), self.batches.setdefault(rows, {})
-        elif band:
-            key, measured = _band_key(band), self.longer.setdefault(band, {})
-        else:
-            key, measured = TARGET, self.target
+        band, key = context_band(context), target_key(rows, context)
+        measured = self.batches.setdefault(rows, {}) if rows > 1 else self.longer.setdefault(band, {}) if band \
+            else self.target
         cost = measured.get(width)
         if not cost or (key, width) in self.trials or ms <= 0:
             self._observe(key, measured, width, ms)
@@ -206,6 +203,14 @@ class Profile:
         r = max(-PACE_CLAMP, min(PACE_CLAMP, math.log(ms / (self.pace * cost))))
         self.pace *= math.exp(PACE_SHARE * r)
         measured[width] = cost * math.exp((1 - PACE_SHARE) * r)
+
+    def remeasure(self, key: str, size: int) -> None:
+        """Measure ``key``'s ``size`` afresh (``key``: a drafter's, or ``target_key``'s for a pass): its next
+        ``TRIALS`` measurements set its cost, as a new size's do (their least, where it is below what is held; until
+        then the planner prices the size from its neighbours). Settled, a cost moves by ``STRIDE`` at most a
+        measurement, so a size priced far too high, which the planner then seldom runs, would take tens of runs to
+        come right; ``engine.REFRESH`` says when this is asked."""
+        self.trials[key, size] = 0
 
     def set_measured(self, key: str, sizes: dict[int, float]) -> None:
         """Take ``sizes`` (size -> milliseconds, measured just now, as ``fuzzyspec tune`` does) as the settled costs
@@ -266,6 +271,13 @@ class Profile:
                    {int(rows): sizes(value) for rows, value in data.get("batches", {}).items()},
                    sizes(data.get("outside", {})), populations,
                    longer={int(band): sizes(value) for band, value in data.get("longer", {}).items()})
+
+
+def target_key(rows: int = 1, context: int = 0) -> str:
+    """The key a target pass of ``rows`` rows (one row's after ``context`` positions) is filed under among the
+    tentative sizes' (``Profile.trials``)."""
+    band = context_band(context)
+    return _batch_key(rows) if rows > 1 else _band_key(band) if band else TARGET
 
 
 def _batch_key(rows: int) -> str:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .config import DecodeConfig
-from .cost import COPY, Acceptance, Option, copy_length, draft_key, plan, population_key
+from .cost import COPY, Acceptance, Option, copy_length, draft_key, plan, population_key, target_key
 from .draft import Budget, Draft, Drafter
 from .host import DeviceTimer, upload
 from .judge import Pending, Verdict, judge, next_token_only
@@ -57,6 +57,13 @@ MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a ro
 # slowly (a row's rates by a few percent a step, a cost by at most ``cost.STRIDE`` a measurement), while planning
 # every step cost 0.16 ms of a compiled 4-bit step's 8 on a 2-core CPU.
 PLAN_EVERY = 4
+# At a profile's REFRESH_AT-th plan in a process, and every REFRESH-th after, the rows planned to draft more than one
+# token draft one (a 1-token chain), and that step's pass and drafting are measured afresh (``Profile.remeasure``).
+# The planner measures only what it runs, so a narrow pass priced too high by a slow spell was not run again to come
+# right: after a profiler had paused an AVX2-class run (emulated, eager; 2026-11-28), a profile held 1-4 token passes
+# at about twice their cost and a 5-token pass at its own, and every step verified a 4-child tree, 0.94x AR, where a
+# 1-token chain ran 1.12x. The first comes early, so a one-shot answer (some 20-40 plans) mends a profile it loaded.
+REFRESH, REFRESH_AT = 64, 8
 # Whether engines made without saying run AR steps one ahead (``Engine.lookahead``); None: on a GPU.
 LOOKAHEAD: bool | None = None
 
@@ -508,10 +515,27 @@ class Engine:
         copies = [copy_length(row.copies, self.step_fn.profile, min(row.config.gamma, row.remaining - 1),
                               self.step_fn.shape, len(self.slots), context) if row.drafter.copies else None
                   for _, row in planned]
+        profile = self.step_fn.profile
+        profile.plans += 1
+        if profile.plans % REFRESH == REFRESH_AT % REFRESH:
+            drafts = self._refresh([row for _, row in planned], drafts, context)
         if self.shards > 1:  # each rank timed its own steps: rank 0's plan is everyone's
             drafts, copies = agree((drafts, copies))
         for (_, row), (size, breadth), copy in zip(planned, drafts, copies):
             row.size, row.breadth, row.copy = size, breadth, copy
+
+    def _refresh(self, rows: list[Row], drafts: list[tuple[int, int]], context: int) -> list[tuple[int, int]]:
+        """``drafts`` (each row's (depth, breadth)) with every draft of more than one token made a 1-token chain,
+        whose pass and drafting are then measured afresh (see ``REFRESH``)."""
+        wider = {i for i, (size, breadth) in enumerate(drafts) if size and (size, breadth) != (1, 1)}
+        if not wider:
+            return drafts
+        profile = self.step_fn.profile
+        width, batch = self.step_fn.shape(2, len(self.slots))
+        profile.remeasure(target_key(batch, context), width)
+        for i in wider:
+            profile.remeasure(draft_key(rows[i].drafter.name, 1), 1)
+        return [(1, 1) if i in wider else draft for i, draft in enumerate(drafts)]
 
     def _feature_layers(self, readers: list[Drafter]) -> tuple[int, ...]:
         """The target's layers whose hidden states the drafters ``readers`` read, as the step numbers them."""

@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from conftest import noisy_copy, tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.cost import MEMORY, Profile
+from fuzzyspec.core import engine as engine_module
+from fuzzyspec.core.cost import MEMORY, Profile, draft_key
 from fuzzyspec.core.engine import Engine, decode
 from fuzzyspec.core.divergences import divergence
 from fuzzyspec.core.draft import Budget
@@ -321,3 +322,36 @@ def test_copies_are_as_long_as_the_measured_widths_pay_for(target, draft):
                 lengths[name].add(len(drafter.last))
         assert row.sequence[0, len(prompt):].tolist() == hf_greedy(target, prompt, 30)
     assert lengths["dear"] == {1} and 4 in lengths["cheap"]
+
+
+@pytest.mark.parametrize("refresh", [(2, 1), (10**6, 0)])
+def test_a_narrow_pass_priced_too_high_is_measured_again(target, draft, monkeypatch, refresh):
+    """Now and then (``REFRESH``) a plan drafts a 1-token chain where it planned more, and measures that pass afresh. A
+    profile holding every width's pass at one price (as a slow spell left one: 1-4 token passes at twice their cost
+    beside a 5-token one at its own) drafts 4-token chains at every step and, running only those, never corrects
+    the 2-token price; with the refresh it learns what a 2-token pass costs and drafts 1-token chains, which pay
+    here. Passes are timed by a stand-in for the clock: w tokens cost 10 w ms."""
+    monkeypatch.setattr(engine_module, "REFRESH", refresh[0])
+    monkeypatch.setattr(engine_module, "REFRESH_AT", refresh[1])
+    took = Engine._forward_took
+    monkeypatch.setattr(Engine, "_forward_took", lambda self, width, rows, ms, context:
+                        took(self, width, rows, 10.0 * width, context))
+    monkeypatch.setattr(Engine, "_price", lambda *args: None)  # (drafting and outside keep the prices given here)
+    drafter = ModelDrafter(draft, V)
+    step = TargetStep(target)
+    step.profile = Profile(target={width: 100.0 for width in range(1, 18)}, outside={1: 1.0},
+                           draft={draft_key(drafter.name, 1): {size: float(size) for size in range(1, 5)}})
+    engine = Engine(step, V)
+    row = engine.add(torch.tensor([PROMPTS[0]]), DecodeConfig(method="sd", gamma=4, gamma_schedule="cost",
+                                                              max_new_tokens=120), drafter)
+    planned = []
+    while engine.rows:
+        engine.step()
+        planned.append((row.size, row.breadth))
+    two, five = step.profile.target_ms(2), step.profile.target_ms(5)
+    assert row.sequence[0, len(PROMPTS[0]):].tolist() == hf_greedy(target, PROMPTS[0], 120)
+    if refresh[0] == 2:
+        assert two < 0.5 * five and set(planned[20:-4]) == {(1, 1)}  # (the last plans are capped by the tokens left)
+    else:  # (without it: the flat prices stay, and so do the 4-token chains)
+        assert two == five and (1, 1) not in planned
+
