@@ -72,7 +72,7 @@ def _step_code() -> str:
     """A digest of the sources that decide what a target step costs, and how its costs are estimated."""
     core = Path(__file__).parent / "core"
     sources = [core / name for name in ("step.py", "kvcache.py", "int4.py", "int4_kernel.cpp", "attention.py",
-                                        "layer_kernel.cpp", "cost.py", "engine.py")]
+                                        "layer_kernel.cpp", "ops.cpp", "kernels.h", "cost.py", "engine.py")]
     return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:8]
 
 

@@ -25,12 +25,10 @@
 // same sequence of operations whatever the number of tokens and rows around it (no multiply-adds fused by the
 // compiler: -ffp-contract=off), so a token's result does not depend on its batch: a verification step gives
 // the logits a single step would.
-// The headers used, not ATen/ATen.h: it took 7 of the 9 s a first use spent building these kernels.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+// Over plain arrays (kernels.h): ops.cpp checks the tensors and registers the ops.
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "kernels.h"
 
 #include <immintrin.h>
 
@@ -311,36 +309,21 @@ void group(const Operands& o, int64_t g, int64_t M) {
   rest<Format, TILE - 1>(o, g, t, M - t);
 }
 
-// x [..., K] times the packed weight's transpose: [..., N] (N = 16 x groups), in x's dtype (computed in float32).
+// x [M, K] times the packed weight's transpose: out [M, N] (N = 16 x groups), float32.
 template <class Format>
-at::Tensor product(const at::Tensor& input, const at::Tensor& packed) {
-  const int64_t K = input.size(-1), nb = K / 32;
-  TORCH_CHECK(K % 32 == 0 && packed.dim() == 3 && packed.size(1) == nb && packed.size(2) == Format::bytes &&
-              packed.is_contiguous() && packed.scalar_type() == at::kByte,
-              "a packed weight [groups, ", nb, ", ", Format::bytes, "] bytes for ", K, " inputs");
-  const int64_t G = packed.size(0), N = G * ROWS;
-  const at::Tensor x = input.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out.view(shape).to(input.scalar_type());
+void product(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t G, float* out) {
+  const int64_t nb = K / 32, N = G * ROWS;
+  if (M == 0 || N == 0) return;
   std::vector<int8_t> xq(M * K);
   std::vector<float> x_scale(M * nb), x_sum(M * nb);
-  quantize(x.data_ptr<float>(), M * nb, xq.data(), x_scale.data(), x_sum.data());
+  quantize(x, M * nb, xq.data(), x_scale.data(), x_sum.data());
   if constexpr (std::is_same_v<Format, Eight> && Q8_SHIFTED)
     for (int8_t& code : xq) code = static_cast<int8_t>(static_cast<uint8_t>(code) ^ 0x80u);
-  const Operands o{packed.data_ptr<uint8_t>(), xq.data(), x_scale.data(), x_sum.data(), out.data_ptr<float>(),
-                   nb, N};
+  const Operands o{packed, xq.data(), x_scale.data(), x_sum.data(), out, nb, N};
   at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) group<Format>(o, g, M);
   });
-  return out.view(shape).to(input.scalar_type());
 }
-
-at::Tensor mm_q4(const at::Tensor& x, const at::Tensor& packed) { return product<Four>(x, packed); }
-
-at::Tensor mm_q8(const at::Tensor& x, const at::Tensor& packed) { return product<Eight>(x, packed); }
 
 // x . w over K floats, 8 lanes at a time.
 float dot(const float* x, const float* w, int64_t K) {
@@ -354,26 +337,29 @@ float dot(const float* x, const float* w, int64_t K) {
   return total;
 }
 
+}  // namespace
+
+namespace fuzzyspec {
+
+static_assert(Four::bytes == Q4_BYTES && Eight::bytes == Q8_BYTES && ::ROWS == fuzzyspec::ROWS);
+
+void product_q4(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t groups, float* out) {
+  product<Four>(x, M, K, packed, groups, out);
+}
+
+void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t groups, float* out) {
+  product<Eight>(x, M, K, packed, groups, out);
+}
+
 // Each row's k highest logits worked out again from float weight rows (RoundedRows in vocab.py): logits [M, N]
 // (a product over 4-bit rows, rewritten in place), x [M, K] its inputs, weight [V, K] the float rows, ids [N] the
 // weight row of each logit. A row's k highest are found in one pass, 8 values at a time against the least of a
 // sorted list of k, which a value enters only where it beats that least (after the first few hundred values,
 // seldom); then each is x . weight[ids[j]].
-void top_again(at::Tensor logits, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids, int64_t k) {
-  TORCH_CHECK(logits.dim() == 2 && x.dim() == 2 && weight.dim() == 2 && ids.dim() == 1 &&
-              logits.size(0) == x.size(0) && weight.size(1) == x.size(1) && ids.size(0) == logits.size(1),
-              "logits [M, N], x [M, K], weight [V, K] and ids [N]");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
-              weight.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong, "float32 values, int64 ids");
-  TORCH_CHECK(logits.is_contiguous() && x.is_contiguous() && weight.is_contiguous() && ids.is_contiguous(),
-              "contiguous tensors");
-  const int64_t M = logits.size(0), N = logits.size(1), K = x.size(1);
+void top_again(float* all, int64_t M, int64_t N, const float* inputs, int64_t K, const float* rows,
+               const int64_t* row_of, int64_t k) {
   k = std::min(k, N);
   if (k <= 0) return;
-  float* all = logits.data_ptr<float>();
-  const float* inputs = x.data_ptr<float>();
-  const float* rows = weight.data_ptr<float>();
-  const int64_t* row_of = ids.data_ptr<int64_t>();
   std::vector<float> best(k);
   std::vector<int64_t> where(k);
   for (int64_t m = 0; m < M; ++m) {
@@ -401,16 +387,4 @@ void top_again(at::Tensor logits, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY(fuzzyspec_int4, m) {
-  m.def("mm_q4(Tensor x, Tensor packed) -> Tensor");
-  m.def("mm_q8(Tensor x, Tensor packed) -> Tensor");
-  m.def("top_again(Tensor(a!) logits, Tensor x, Tensor weight, Tensor ids, int k) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(fuzzyspec_int4, CPU, m) {
-  m.impl("mm_q4", &mm_q4);
-  m.impl("mm_q8", &mm_q8);
-  m.impl("top_again", &top_again);
-}
+}  // namespace fuzzyspec

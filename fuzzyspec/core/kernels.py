@@ -9,6 +9,9 @@ It holds two kernels, each with one job:
   step's RMSNorm, and its rotary embedding with the cache writes, one call each (``core.step``); and a tree's kept
   path moved down in every layer's cache, one call a step (``core.kvcache``).
 
+``ops.cpp`` makes them torch ops (checks, outputs, registration) over the plain arrays that ``kernels.h`` declares:
+torch's headers, about 4.3 s of a first use's build on 2 cores, are parsed there alone.
+
 Both compute a token's result by the same operations whatever else is in its batch, which is what lets a pass
 that verifies several drafted tokens give each the logits a one-token step would (``core.attention``).
 An x86 CPU with AVX2 and a C++ compiler is needed; elsewhere ``unavailable`` says why, and floats and PyTorch's
@@ -29,7 +32,8 @@ import torch
 
 from ..files import cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4_kernel.cpp", "layer_kernel.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("ops.cpp", "int4_kernel.cpp", "layer_kernel.cpp")]
+HEADER = Path(__file__).with_name("kernels.h")
 ROWS = 16  # weight rows per packed group of the int4 kernel (what its products return is in whole groups)
 # -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
 # -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike
@@ -101,7 +105,7 @@ def _build() -> str | None:
     # the old one. (The path too: ninja rebuilds a file whose command changed, and the command names the sources'
     # path, so two copies of one version, an installed one and a checkout, rebuilt each other's every time.)
     flags = build_flags()
-    built_from = b"".join(source.read_bytes() for source in SOURCES) + str(SOURCES[0].parent).encode() + \
+    built_from = b"".join(source.read_bytes() for source in [*SOURCES, HEADER]) + str(HEADER.parent).encode() + \
         " ".join(flags).encode() + torch.__version__.encode()
     digest = hashlib.sha256(built_from).hexdigest()[:12]
     name = f"fuzzyspec_int4_{digest}"

@@ -20,7 +20,7 @@
 // the heads that share its kv head three at a time, so each key and value is read (and widened) once for three.
 // The cache holds float32, or float16 (a 4-bit target's, as llama.cpp keeps it): its numbers are widened exactly
 // (F16C) as they are read, so the operations are the same.
-// The headers used, not ATen/ATen.h: it took 7 of the 9 s a first use spent building these kernels.
+// Over plain arrays (kernels.h): ops.cpp checks the tensors and registers the ops.
 //
 // NORM AND ROTARY EMBEDDING. Eager PyTorch runs an RMSNorm as six operations, and a layer's rotary embedding, with
 // the split of the fused q|k|v product and the cache writes, as about twenty; each costs a few microseconds of
@@ -30,12 +30,9 @@
 // batch. The rotary embedding does, element by element, what PyTorch's x cos + rotate_half(x) sin does (a product,
 // a product, a sum), so its results equal eager PyTorch's bit for bit; the norm sums its squares in double precision
 // (8 lanes, then the lanes in order), so its mean is the same on every instruction set.
-// One file for both: each further C++ file cost about 3 s more of a first use's build on 2 cores.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "kernels.h"
 
 #include <immintrin.h>
 
@@ -43,9 +40,13 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#include <initializer_list>
 
 namespace {
+
+struct Half {  // a float16's bits, as a cache holds them
+  uint16_t bits;
+  explicit operator float() const { return _cvtsh_ss(bits); }  // (exact, as widening by 8 is: F16C)
+};
 
 
 inline __m256 madd(__m256 a, __m256 b, float c) { return _mm256_fmadd_ps(a, b, _mm256_set1_ps(c)); }
@@ -72,7 +73,7 @@ inline __m256 exp8(__m256 x) {
 
 // 8 of a cache's keys or values, as floats: float32 as it is, float16 widened (exact, by F16C).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) {
+inline __m256 load8(const Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
@@ -381,40 +382,8 @@ void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, floa
   });
 }
 
-at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& mask,
-                  double scale) {
-  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && mask.dim() == 4,
-              "attend: query [B, W, H, D], keys and values [B, KVH, C, D], mask [B, 1, W, C]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && mask.scalar_type() == at::kBool &&
-              (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
-              values.scalar_type() == keys.scalar_type(),
-              "attend: a float32 query, float32 or float16 keys and values, and a bool mask");
-  const at::Tensor q = query.contiguous(), k = keys.contiguous(), v = values.contiguous(), allowed = mask.contiguous();
-  const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = k.size(1), C = k.size(2);
-  TORCH_CHECK(k.size(0) >= B && k.size(3) == D && H % KVH == 0 && allowed.size(0) == B && allowed.size(2) == W &&
-              allowed.size(3) == C, "attend: shapes disagree");
-  at::Tensor out = at::empty_like(q);
-  const float s = static_cast<float>(scale);
-  if (k.scalar_type() == at::kHalf)
-    attend_over(q.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), allowed.data_ptr<bool>(), s,
-                B, W, H, D, KVH, C, out.data_ptr<float>());
-  else
-    attend_over(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), allowed.data_ptr<bool>(), s, B, W,
-                H, D, KVH, C, out.data_ptr<float>());
-  return out;
-}
-
-
 // y = w * (x / sqrt(mean(x^2) + eps)) along the last dimension of x (float32).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 tensors");
-  const at::Tensor input = x.contiguous(), w = weight.contiguous();
-  const int64_t size = input.size(-1), rows = size ? input.numel() / size : 0;
-  TORCH_CHECK(w.numel() == size, "rms_norm: one weight per feature");
-  at::Tensor out = at::empty_like(input);
-  const float* src = input.data_ptr<float>();
-  const float* scale = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+void norm_rows(const float* src, const float* scale, int64_t rows, int64_t size, float eps, float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = src + r * size;
     double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -425,11 +394,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     double sum = 0;
     for (int j = 0; j < 8; ++j) sum += lanes[j];
     const float mean = static_cast<float>(sum / static_cast<double>(size));
-    const float inverse = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+    const float inverse = 1.0f / std::sqrt(mean + eps);
     float* target = dst + r * size;
     for (i = 0; i < size; ++i) target[i] = scale[i] * (row[i] * inverse);
   }
-  return out;
 }
 
 // x cos + rotate_half(x) sin for one head's D numbers (rotate_half(x) = [-x2, x1] of its halves x1, x2).
@@ -448,117 +416,82 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
 inline void put(const float* x, int64_t n, float* out, int64_t stride) {
   for (int64_t j = 0; j < n; ++j) out[j * stride] = x[j];
 }
-inline void put(const float* x, int64_t n, c10::Half* out, int64_t stride) {
+inline void put(const float* x, int64_t n, Half* out, int64_t stride) {
   constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   int64_t j = 0;
   for (; stride == 1 && j + 8 <= n; j += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), nearest));
-  for (; j < n; ++j) out[j * stride] = c10::Half(_cvtss_sh(x[j], nearest), c10::Half::from_bits());
+  for (; j < n; ++j) out[j * stride].bits = _cvtss_sh(x[j], nearest);
 }
 
 // A layer's rotary embedding and cache writes: q, k, v [B, T, heads * D] (q's, k's, v's heads side by side, as the
 // projections give them), cos and sin [B, T, 1, D]; k rotated and v go into keys and values [slots, kv_heads,
-// capacity, D] at row where[b, 0] and position write[b, t]; returns q rotated, [B, T, heads, D].
-at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                      const at::Tensor& sin, at::Tensor& keys, at::Tensor& values, const at::Tensor& where,
-                      const at::Tensor& write, int64_t heads, int64_t kv_heads) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "rope_store: float32 q, k, v, cos and sin");
-  TORCH_CHECK((keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
-              values.scalar_type() == keys.scalar_type(), "rope_store: a float32 or float16 cache");
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "rope_store: keys and values [slots, kv, capacity, D]");
-  const int64_t rows = q.size(0), width = q.size(1), dim = keys.size(3), capacity = keys.size(2);
-  TORCH_CHECK(q.size(-1) == heads * dim && k.size(-1) == kv_heads * dim && v.size(-1) == kv_heads * dim &&
-                  keys.size(1) == kv_heads, "rope_store: head counts and sizes disagree");
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-  const at::Tensor slot = where.to(at::kLong).contiguous(), position = write.to(at::kLong).contiguous();
-  TORCH_CHECK(cc.numel() == rows * width * dim && sc.numel() == cc.numel(), "rope_store: cos and sin [B, T, 1, D]");
-  TORCH_CHECK(slot.numel() == rows && position.numel() == rows * width, "rope_store: where [B, 1], write [B, T]");
-  at::Tensor out = at::empty({rows, width, heads, dim}, q.options());
-  const float *qs = qc.data_ptr<float>(), *ks = kc.data_ptr<float>(), *vs = vc.data_ptr<float>();
-  const float *cs = cc.data_ptr<float>(), *ss = sc.data_ptr<float>();
-  const int64_t *slots = slot.data_ptr<int64_t>(), *positions = position.data_ptr<int64_t>();
-  float* qd = out.data_ptr<float>();
-  const auto ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2), ks3 = keys.stride(3);
-  const auto vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2), vs3 = values.stride(3);
-  for (int64_t b = 0; b < rows; ++b) {  // (checked before anything is written)
-    TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0), "rope_store: a row past the cache's slots");
-    for (int64_t t = 0; t < width; ++t)
-      TORCH_CHECK(positions[b * width + t] >= 0 && positions[b * width + t] < capacity,
-                  "rope_store: a position past the cache's end");
-  }
-  auto store = [&](auto* kd, auto* vd) {
-    std::vector<float> rotated(dim);
-    for (int64_t b = 0; b < rows; ++b) {
-      const int64_t s = slots[b];
-      for (int64_t t = 0; t < width; ++t) {
-        const int64_t token = b * width + t, p = positions[token];
-        const float *c = cs + token * dim, *n = ss + token * dim;
-        for (int64_t h = 0; h < heads; ++h)
-          rotate(qs + (token * heads + h) * dim, c, n, dim, qd + (token * heads + h) * dim, 1);
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          rotate(ks + (token * kv_heads + h) * dim, c, n, dim, rotated.data(), 1);
-          put(rotated.data(), dim, kd + s * ks0 + h * ks1 + p * ks2, ks3);
-          put(vs + (token * kv_heads + h) * dim, dim, vd + s * vs0 + h * vs1 + p * vs2, vs3);
-        }
+// capacity, D] (element strides kst, vst) at row slots[b] and position positions[b * T + t]; q rotated into qd
+// [B, T, heads, D].
+template <typename T>
+void store_rows(const float* qs, const float* ks, const float* vs, const float* cs, const float* ss, T* kd, T* vd,
+                const int64_t* kst, const int64_t* vst, const int64_t* slots, const int64_t* positions, int64_t rows,
+                int64_t width, int64_t heads, int64_t kv_heads, int64_t dim, float* qd) {
+  const int64_t ks0 = kst[0], ks1 = kst[1], ks2 = kst[2], ks3 = kst[3];
+  const int64_t vs0 = vst[0], vs1 = vst[1], vs2 = vst[2], vs3 = vst[3];
+  std::vector<float> rotated(dim);
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t s = slots[b];
+    for (int64_t t = 0; t < width; ++t) {
+      const int64_t token = b * width + t, p = positions[token];
+      const float *c = cs + token * dim, *n = ss + token * dim;
+      for (int64_t h = 0; h < heads; ++h)
+        rotate(qs + (token * heads + h) * dim, c, n, dim, qd + (token * heads + h) * dim, 1);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(ks + (token * kv_heads + h) * dim, c, n, dim, rotated.data(), 1);
+        put(rotated.data(), dim, kd + s * ks0 + h * ks1 + p * ks2, ks3);
+        put(vs + (token * kv_heads + h) * dim, dim, vd + s * vs0 + h * vs1 + p * vs2, vs3);
       }
-    }
-  };
-  if (keys.scalar_type() == at::kHalf)
-    store(keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>());
-  else
-    store(keys.data_ptr<float>(), values.data_ptr<float>());
-  return out;
-}
-
-// A tree's kept path moved down in one slot of every layer's cache, in one call: in each of ``caches`` ([slots,
-// kv_heads, capacity, D] of any dtype, D contiguous), position start + columns[i] goes to start + i. Columns ascend
-// and columns[i] >= i, so moving them in order never overwrites one still to be read. (In Python, two indexing
-// operations a tensor: 0.8 ms a tree step for the embedded model's 60 tensors on a 2-core EPYC.)
-void keep_columns(at::TensorList caches, int64_t slot, int64_t start, at::IntArrayRef columns) {
-  const int64_t count = static_cast<int64_t>(columns.size());
-  for (int64_t i = 0; i < count; ++i)
-    TORCH_CHECK(columns[i] >= i && (i == 0 || columns[i] > columns[i - 1]),
-                "keep_columns: columns ascending, each at or past its place");
-  for (const at::Tensor& t : caches) {  // (all checked before anything moves)
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1,
-                "keep_columns: CPU caches [slots, kv_heads, capacity, D], D contiguous");
-    TORCH_CHECK(slot >= 0 && slot < t.size(0) && start >= 0 &&
-                    (count == 0 || start + columns[count - 1] < t.size(2)),
-                "keep_columns: a position past the cache");
-  }
-  for (const at::Tensor& t : caches) {
-    const int64_t size = t.element_size(), bytes = t.size(3) * size;
-    char* row = static_cast<char*>(t.data_ptr()) + slot * t.stride(0) * size;
-    for (int64_t h = 0; h < t.size(1); ++h) {
-      char* head = row + h * t.stride(1) * size;
-      for (int64_t i = 0; i < count; ++i)
-        if (columns[i] != i)
-          std::memcpy(head + (start + i) * t.stride(2) * size, head + (start + columns[i]) * t.stride(2) * size,
-                      bytes);
     }
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY(fuzzyspec_attention, m) {
-  m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
+namespace fuzzyspec {
+
+void attend(const float* q, const void* keys, const void* values, bool half, const bool* mask, float scale,
+            int64_t B, int64_t W, int64_t H, int64_t D, int64_t KVH, int64_t C, float* out) {
+  if (half)
+    attend_over(q, static_cast<const Half*>(keys), static_cast<const Half*>(values), mask, scale, B, W, H, D, KVH, C,
+                out);
+  else
+    attend_over(q, static_cast<const float*>(keys), static_cast<const float*>(values), mask, scale, B, W, H, D, KVH,
+                C, out);
 }
 
-TORCH_LIBRARY_IMPL(fuzzyspec_attention, CPU, m) { m.impl("attend", &attend); }
-
-TORCH_LIBRARY(fuzzyspec_layer, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
-        "Tensor where, Tensor write, int heads, int kv_heads) -> Tensor");
-  m.def("keep_columns(Tensor(a!)[] caches, int slot, int start, int[] columns) -> ()");
+void rms_norm(const float* src, const float* weight, int64_t rows, int64_t size, float eps, float* dst) {
+  norm_rows(src, weight, rows, size, eps, dst);
 }
 
-TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_store", &rope_store);
-  m.impl("keep_columns", &keep_columns);
+void rope_store(const float* q, const float* k, const float* v, const float* cos, const float* sin,
+                const Cache& cache, const int64_t* slots, const int64_t* positions, int64_t rows, int64_t width,
+                int64_t heads, int64_t kv_heads, int64_t dim, float* q_out) {
+  if (cache.half)
+    store_rows(q, k, v, cos, sin, static_cast<Half*>(cache.keys), static_cast<Half*>(cache.values),
+               cache.key_strides, cache.value_strides, slots, positions, rows, width, heads, kv_heads, dim, q_out);
+  else
+    store_rows(q, k, v, cos, sin, static_cast<float*>(cache.keys), static_cast<float*>(cache.values),
+               cache.key_strides, cache.value_strides, slots, positions, rows, width, heads, kv_heads, dim, q_out);
 }
+
+// A tree's kept path moved down in one slot of a layer's cache tensor: position start + columns[i] goes to
+// start + i. Columns ascend and columns[i] >= i, so moving them in order never overwrites one still to be read.
+// (In Python, two indexing operations a tensor: 0.8 ms a tree step for the embedded model's 60 tensors on a 2-core
+// EPYC.)
+void keep_columns(char* row, int64_t heads, int64_t head_stride, int64_t position_stride, int64_t bytes,
+                  int64_t start, const int64_t* columns, int64_t count) {
+  for (int64_t h = 0; h < heads; ++h) {
+    char* head = row + h * head_stride;
+    for (int64_t i = 0; i < count; ++i)
+      if (columns[i] != i)
+        std::memcpy(head + (start + i) * position_stride, head + (start + columns[i]) * position_stride, bytes);
+  }
+}
+
+}  // namespace fuzzyspec

@@ -1,0 +1,45 @@
+// The CPU kernels over plain arrays: what int4_kernel.cpp and layer_kernel.cpp compute, called by ops.cpp, which
+// checks torch's tensors, makes the outputs and registers the ops. The kernels' files include none of torch's
+// headers but its parallel loop: a file with torch's tensor and op-registration headers took about 4.3 s of a
+// first use's build on 2 cores before any code of ours, so those are parsed once (ops.cpp), not in every file.
+#pragma once
+
+#include <cstdint>
+
+namespace fuzzyspec {
+
+// int4_kernel.cpp: x [M, K] float32 times a packed weight's transpose (groups of 16 rows, blocks of 32 inputs,
+// Q4_BYTES or Q8_BYTES a group and block; the layout is described there): out [M, groups * 16] float32.
+constexpr int64_t ROWS = 16;
+constexpr int64_t Q4_BYTES = 4 * 64 + 16 * 2 + 16 * 2;
+constexpr int64_t Q8_BYTES = 8 * 64 + 16 * 2 + 16 * 4;
+void product_q4(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t groups, float* out);
+void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t groups, float* out);
+// Each of logits' M rows [M, N]: its k highest worked out again as x[m] . weight[ids[j]] (x [M, K], weight [V, K]).
+void top_again(float* logits, int64_t M, int64_t N, const float* x, int64_t K, const float* weight,
+               const int64_t* ids, int64_t k);
+
+// layer_kernel.cpp. Keys and values are float32, or float16 (``half``: their bits).
+// out [B, W, H, D] = attention of q [B, W, H, D] over keys and values [>= B, KVH, C, D] where mask [B, 1, W, C].
+void attend(const float* q, const void* keys, const void* values, bool half, const bool* mask, float scale,
+            int64_t B, int64_t W, int64_t H, int64_t D, int64_t KVH, int64_t C, float* out);
+// dst [rows, size] = weight * (src / sqrt(mean(src^2) + eps)) per row.
+void rms_norm(const float* src, const float* weight, int64_t rows, int64_t size, float eps, float* dst);
+// The rotary embedding of q, k [rows * width tokens, heads (kv_heads) * dim] by cos, sin [tokens, dim], q's into
+// q_out [tokens, heads, dim], k's and v's into keys and values (strides in elements) at slot slots[b] and position
+// positions[token].
+struct Cache {
+  void* keys;
+  void* values;
+  bool half;
+  int64_t key_strides[4], value_strides[4];
+};
+void rope_store(const float* q, const float* k, const float* v, const float* cos, const float* sin,
+                const Cache& cache, const int64_t* slots, const int64_t* positions, int64_t rows, int64_t width,
+                int64_t heads, int64_t kv_heads, int64_t dim, float* q_out);
+// In one slot of a cache tensor (``row``: its first byte; heads of ``head_stride`` bytes, positions of
+// ``position_stride`` bytes, each ``bytes`` long), position start + columns[i] moved to start + i.
+void keep_columns(char* row, int64_t heads, int64_t head_stride, int64_t position_stride, int64_t bytes,
+                  int64_t start, const int64_t* columns, int64_t count);
+
+}  // namespace fuzzyspec
