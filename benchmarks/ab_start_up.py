@@ -15,11 +15,11 @@ import subprocess
 import sys
 import time
 
-from turns import balanced_turns  # (this folder's module)
+from bench_step import MAIN_PROMPT  # (this folder's modules)
+from turns import balanced_turns
 
 from fuzzyspec.tuning import machine
 
-MAIN_PROMPT = "Give me three tips for writing clear emails."  # the README's main command
 WAYS = {"collector held off (run)": ["-m", "fuzzyspec"],
         "collector as Python leaves it (main)": ["-c", "import sys; from fuzzyspec.cli import main; sys.exit(main())"]}
 JOBS = {"default job": [], "ar": ["--method", "ar"]}

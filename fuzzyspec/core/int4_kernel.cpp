@@ -40,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t ROWS = 16;  // weight rows per packed group
+using fuzzyspec::ROWS;  // weight rows per packed group
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -89,11 +89,11 @@ typedef int32_t bytes4 __attribute__((may_alias, aligned(1)));
 inline int32_t four_bytes(const int8_t* p) { return *reinterpret_cast<const bytes4*>(p); }
 
 struct Four {  // Q4_0 / Q4_1
-  static constexpr int64_t bytes = 4 * 64 + 16 * 2 + 16 * 2;
+  static constexpr int64_t bytes = fuzzyspec::Q4_BYTES;
 };
 
 struct Eight {  // Q8_0
-  static constexpr int64_t bytes = 8 * 64 + 16 * 2 + 16 * 4;
+  static constexpr int64_t bytes = fuzzyspec::Q8_BYTES;
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -340,8 +340,6 @@ float dot(const float* x, const float* w, int64_t K) {
 }  // namespace
 
 namespace fuzzyspec {
-
-static_assert(Four::bytes == Q4_BYTES && Eight::bytes == Q8_BYTES && ::ROWS == fuzzyspec::ROWS);
 
 void product_q4(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t groups, float* out) {
   product<Four>(x, M, K, packed, groups, out);

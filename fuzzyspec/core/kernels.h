@@ -11,8 +11,8 @@ namespace fuzzyspec {
 // int4_kernel.cpp: x [M, K] float32 times a packed weight's transpose (groups of 16 rows, blocks of 32 inputs,
 // Q4_BYTES or Q8_BYTES a group and block; the layout is described there): out [M, groups * 16] float32.
 constexpr int64_t ROWS = 16;
-constexpr int64_t Q4_BYTES = 4 * 64 + 16 * 2 + 16 * 2;
-constexpr int64_t Q8_BYTES = 8 * 64 + 16 * 2 + 16 * 4;
+constexpr int64_t Q4_BYTES = 4 * 64 + 16 * 2 + 16 * 2;  // codes, float16 scales, float16 minimums
+constexpr int64_t Q8_BYTES = 8 * 64 + 16 * 2 + 16 * 4;  // codes, float16 scales, int32 code sums
 void product_q4(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t groups, float* out);
 void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t groups, float* out);
 // Each of logits' M rows [M, N]: its k highest worked out again as x[m] . weight[ids[j]] (x [M, K], weight [V, K]).

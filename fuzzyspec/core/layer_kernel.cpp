@@ -382,24 +382,6 @@ void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, floa
   });
 }
 
-// y = w * (x / sqrt(mean(x^2) + eps)) along the last dimension of x (float32).
-void norm_rows(const float* src, const float* scale, int64_t rows, int64_t size, float eps, float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = src + r * size;
-    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= size; i += 8)
-      for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(row[i + j] * row[i + j]);
-    for (; i < size; ++i) lanes[i % 8] += static_cast<double>(row[i] * row[i]);
-    double sum = 0;
-    for (int j = 0; j < 8; ++j) sum += lanes[j];
-    const float mean = static_cast<float>(sum / static_cast<double>(size));
-    const float inverse = 1.0f / std::sqrt(mean + eps);
-    float* target = dst + r * size;
-    for (i = 0; i < size; ++i) target[i] = scale[i] * (row[i] * inverse);
-  }
-}
-
 // x cos + rotate_half(x) sin for one head's D numbers (rotate_half(x) = [-x2, x1] of its halves x1, x2).
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out, int64_t stride) {
   const int64_t half = dim / 2;
@@ -465,8 +447,22 @@ void attend(const float* q, const void* keys, const void* values, bool half, con
                 C, out);
 }
 
-void rms_norm(const float* src, const float* weight, int64_t rows, int64_t size, float eps, float* dst) {
-  norm_rows(src, weight, rows, size, eps, dst);
+// dst = scale * (src / sqrt(mean(src^2) + eps)) per row of size (float32), the squares summed in double precision.
+void rms_norm(const float* src, const float* scale, int64_t rows, int64_t size, float eps, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = src + r * size;
+    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= size; i += 8)
+      for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(row[i + j] * row[i + j]);
+    for (; i < size; ++i) lanes[i % 8] += static_cast<double>(row[i] * row[i]);
+    double sum = 0;
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+    const float mean = static_cast<float>(sum / static_cast<double>(size));
+    const float inverse = 1.0f / std::sqrt(mean + eps);
+    float* target = dst + r * size;
+    for (i = 0; i < size; ++i) target[i] = scale[i] * (row[i] * inverse);
+  }
 }
 
 void rope_store(const float* q, const float* k, const float* v, const float* cos, const float* sin,

@@ -12,8 +12,8 @@
 namespace {
 
 // x [..., K] times the packed weight's transpose: [..., N] (N = 16 x groups), in x's dtype (computed in float32).
-at::Tensor product(const at::Tensor& input, const at::Tensor& packed, int64_t bytes, bool eight) {
-  const int64_t K = input.size(-1), nb = K / 32;
+at::Tensor product(const at::Tensor& input, const at::Tensor& packed, bool eight) {
+  const int64_t K = input.size(-1), nb = K / 32, bytes = eight ? fuzzyspec::Q8_BYTES : fuzzyspec::Q4_BYTES;
   TORCH_CHECK(K % 32 == 0 && packed.dim() == 3 && packed.size(1) == nb && packed.size(2) == bytes &&
               packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "a packed weight [groups, ", nb, ", ", bytes, "] bytes for ", K, " inputs");
@@ -29,11 +29,11 @@ at::Tensor product(const at::Tensor& input, const at::Tensor& packed, int64_t by
 }
 
 at::Tensor mm_q4(const at::Tensor& x, const at::Tensor& packed) {
-  return product(x, packed, fuzzyspec::Q4_BYTES, false);
+  return product(x, packed, false);
 }
 
 at::Tensor mm_q8(const at::Tensor& x, const at::Tensor& packed) {
-  return product(x, packed, fuzzyspec::Q8_BYTES, true);
+  return product(x, packed, true);
 }
 
 // logits [M, N] (a product over 4-bit rows, rewritten in place), x [M, K] its inputs, weight [V, K] the float rows,
