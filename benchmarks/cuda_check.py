@@ -4,13 +4,16 @@
    generate; AR equals HF; FSD-hybrid at T = 0 equals SD under one seed; FSD at
    T = inf equals the draft decoding alone; seeded sampling is reproducible.
 2. Compiled steps captured as CUDA graphs equal eager steps token for token (AR, chains, EAGLE trees; one
-   row and two rows together; a longer row joining midway, so that the cache grows under the graphs); an EAGLE
-   row that the cost schedule holds back now and then (its steps then run ahead, as AR's do) gives AR's tokens.
-3. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
-4. Loop overhead on the GPU: our AR against HF ``generate`` on a ~1B-parameter
+   row and two rows together; a longer row joining midway, so that the cache grows under the graphs).
+3. An EAGLE row that the cost schedule holds back now and then (its steps then run ahead, as AR's do) gives AR's
+   tokens.
+4. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
+5. Loop overhead on the GPU: our AR against HF ``generate`` on a ~1B-parameter
    random Llama in bfloat16 (random weights: only speed is meaningful here).
 
-Usage: python benchmarks/cuda_check.py
+Usage: python benchmarks/cuda_check.py [cuda|cpu] [PARTS], PARTS a comma-separated choice of correctness, compiled,
+held, loading, overhead (default: all, in that order; on the CPU, a smoke test of the script, the first three). On
+an H100 the first two took most of 170 s together (2026-11-28); each part prints its time.
 """
 from __future__ import annotations
 
@@ -137,6 +140,16 @@ def compiled() -> None:
             runs[label] = (alone, batch, [first.tokens, second.tokens])
         check(f"{name}: compiled with CUDA graphs == eager (alone, batched, joining)", runs["graphs"] == runs["eager"])
         check(f"{name}: batched == alone", runs["eager"][0] == runs["eager"][1])
+
+
+def held() -> None:
+    """An EAGLE row that the cost schedule holds back now and then (its steps then run ahead on a GPU, feeding the
+    head the target's features) gives AR's tokens, eager and through CUDA graphs."""
+    target = llama(256, 64, 2, seed=0)
+    head = EagleHead.for_target(target).to(DEVICE).eval()
+    logits = head_logits(head, target)
+    eager, graphs = TargetStep(target), TargetStep(target, compile=True)
+    prompt = torch.tensor([list(range(3, 12))], device=DEVICE)
     # a scripted schedule: two plans holding the row back (its steps run ahead on a GPU, feeding the head the
     # target's features), then one drafting 2 tokens
     sizes, planned = itertools.cycle([0, 0, 2]), engine_module.plan
@@ -144,10 +157,10 @@ def compiled() -> None:
     try:
         config = DecodeConfig(method="sd", gamma=3, gamma_schedule="cost", max_new_tokens=300)
         for label, step in (("eager", eager), ("graphs", graphs)):
-            held, stats = decode(step, EagleDrafter(head, target, 256, logits), prompts[0], config, 256)
-            ar = decode(step, None, prompts[0], DecodeConfig(method="ar", max_new_tokens=300), 256)[0]
+            tokens, stats = decode(step, EagleDrafter(head, target, 256, logits), prompt, config, 256)
+            ar = decode(step, None, prompt, DecodeConfig(method="ar", max_new_tokens=300), 256)[0]
             check(f"eagle chain sd held back now and then ({label}, drafted {stats.proposed}): == AR",
-                  held[0].tolist() == ar[0].tolist() and stats.proposed > 0)
+                  tokens[0].tolist() == ar[0].tolist() and stats.proposed > 0)
     finally:
         engine_module.plan = planned
 
@@ -191,10 +204,14 @@ def overhead() -> None:
 
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(0) if DEVICE != "cpu" else "cpu")
-    correctness()
-    compiled()
-    if DEVICE != "cpu":
-        loading()
-        overhead()
+    parts = {"correctness": correctness, "compiled": compiled, "held": held, "loading": loading, "overhead": overhead}
+    chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(parts) if DEVICE != "cpu" else list(parts)[:3]
+    unknown = [name for name in chosen if name not in parts]
+    if unknown:
+        sys.exit(f"cuda_check: unknown part(s) {', '.join(unknown)}; choose from {', '.join(parts)}")
+    for name in chosen:
+        clock = time.perf_counter()
+        parts[name]()
+        print(f"-- {name}: {time.perf_counter() - clock:.0f} s")
     print("all CUDA checks passed" if not failures else f"{len(failures)} CUDA checks FAILED")
     sys.exit(1 if failures else 0)
