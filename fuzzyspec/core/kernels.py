@@ -86,8 +86,12 @@ def unavailable() -> str | None:
 def build_soon() -> None:
     """Build (or load) the kernels on a thread of their own, where that has not been done in this process: the
     compiler runs in other processes, so the rest can import and load meanwhile (a first use's ~8 s of building, on
-    2 cores, beside the imports and the tokenizer's conversion). Whoever asks ``available`` next waits for it."""
+    2 cores, beside the imports and the tokenizer's conversion). Whoever asks ``available`` next waits for it. Where
+    they are built already, loading them takes about a millisecond, and is done at once."""
     if _build.cache_info().currsize == 0 and not _building.locked():
+        if _library().is_file():
+            unavailable()
+            return
         # Imported here, so the thread imports nothing: importing it imports setuptools, which edits sys.meta_path
         # and sys.path, and on the thread that raced the main thread's own imports while a model loaded (a first
         # run's tokenizer conversion once failed with ModuleNotFoundError for a module that was there).
@@ -95,37 +99,64 @@ def build_soon() -> None:
         threading.Thread(target=unavailable, name="fuzzyspec-kernels").start()
 
 
+def _library() -> Path:
+    """Where the kernels' build for these sources, flags and torch lives (its shared library, built or not).
+
+    The build is these sources, at this path, with these flags, for this torch: a change to any builds anew, beside
+    the old one. (The path too: ninja rebuilds a file whose command changed, and the command names the sources'
+    path, so two copies of one version, an installed one and a checkout, rebuilt each other's every time.)"""
+    built_from = b"".join(source.read_bytes() for source in [*SOURCES, HEADER]) + str(HEADER.parent).encode() + \
+        " ".join(build_flags()).encode() + torch.__version__.encode()
+    name = f"fuzzyspec_int4_{hashlib.sha256(built_from).hexdigest()[:12]}"
+    return cache_dir() / "kernels" / name / f"{name}.so"
+
+
 @functools.cache
 def _build() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         return f"the CPU kernels need an x86 CPU with AVX2 (this is {platform.machine()})"
-    from torch.utils import cpp_extension
-
-    # The build is these sources, at this path, with these flags, for this torch: a change to any builds anew, beside
-    # the old one. (The path too: ninja rebuilds a file whose command changed, and the command names the sources'
-    # path, so two copies of one version, an installed one and a checkout, rebuilt each other's every time.)
-    flags = build_flags()
-    built_from = b"".join(source.read_bytes() for source in [*SOURCES, HEADER]) + str(HEADER.parent).encode() + \
-        " ".join(flags).encode() + torch.__version__.encode()
-    digest = hashlib.sha256(built_from).hexdigest()[:12]
-    name = f"fuzzyspec_int4_{digest}"
-    folder = cache_dir() / "kernels" / name
-    if not (folder / f"{name}.so").is_file():
-        print(f"fuzzyspec: first use on this machine: building the CPU kernels (about 5-15 s; kept in {folder}) ...",
-              file=sys.stderr, flush=True)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name, [str(source) for source in SOURCES], build_directory=str(folder),
-                           is_python_module=False, extra_cflags=flags)
-    except Exception as error:  # no compiler, no ninja, an unwritable cache, a failed build: each says so first
-        lines = str(error).strip().splitlines()
-        return f"the CPU kernels could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"
+    library = _library()
+    if not _load_built(library):
+        error = _compile(library)
+        if error is not None:
+            return error
     # torch.compile traces the ops by what they return: x [..., K] -> [..., N]; attention keeps the query's shape
     for op in ("mm_q4", "mm_q8"):
         torch.library.register_fake(f"fuzzyspec_int4::{op}")(
             lambda x, packed: x.new_empty((*x.shape[:-1], packed.shape[0] * ROWS)))
     torch.library.register_fake("fuzzyspec_attention::attend")(
         lambda query, keys, values, mask, scale: query.new_empty(query.shape))
+    return None
+
+
+def _load_built(library: Path) -> bool:
+    """Load the kernels where they were built already: as they are (0.6 ms), not through cpp_extension, whose import
+    (setuptools) and ninja's check that the build is current took about 150 ms of every run (the library's name
+    holds what it was built from, ``_library``)."""
+    if not library.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError):  # (a build cut short, or one being written now: ``_compile`` sees to it)
+        return False
+    return True
+
+
+def _compile(library: Path) -> str | None:
+    """Build the kernels into ``library``'s folder and load them (ninja's: only what changed is built again); None,
+    or why they could not be."""
+    from torch.utils import cpp_extension
+
+    if not library.is_file():
+        print(f"fuzzyspec: first use on this machine: building the CPU kernels (about 5-15 s; kept in "
+              f"{library.parent}) ...", file=sys.stderr, flush=True)
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(library.stem, [str(source) for source in SOURCES], build_directory=str(library.parent),
+                           is_python_module=False, extra_cflags=build_flags())
+    except Exception as error:  # no compiler, no ninja, an unwritable cache, a failed build: each says so first
+        lines = str(error).strip().splitlines()
+        return f"the CPU kernels could not be built here ({type(error).__name__}: {lines[0] if lines else ''})"
     return None
 
 

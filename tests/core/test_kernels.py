@@ -77,9 +77,9 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
         assert torch.equal(out["norm"], torch.ops.fuzzyspec_layer.rms_norm(saved["x"], saved["x"][0], 1e-5)), name
 
 
-def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch):
-    """``build_soon`` builds on a thread of its own while a model loads; whoever asks ``available`` meanwhile waits
-    for that build's answer instead of starting a second build of the same files."""
+def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch, tmp_path):
+    """``build_soon`` builds on a thread of its own while a model loads, where nothing is built yet; whoever asks
+    ``available`` meanwhile waits for that build's answer instead of starting a second build of the same files."""
     import functools
     import threading
     import time
@@ -94,6 +94,7 @@ def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch):
         return None
 
     monkeypatch.setattr(kernels, "_build", slow_build)
+    monkeypatch.setattr(kernels, "_library", lambda: tmp_path / "not_built.so")
     kernels.build_soon()
     assert started.wait(5)
     assert kernels.available() and builds == ["fuzzyspec-kernels"]  # waited for the thread's build
@@ -101,7 +102,7 @@ def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch):
     assert kernels.available() and builds == ["fuzzyspec-kernels"]
 
 
-def test_the_build_thread_leaves_the_import_system_alone():
+def test_the_build_thread_leaves_the_import_system_alone(tmp_path):
     """The kernels build while a model loads (``build_soon``). Importing ``torch.utils.cpp_extension`` imports
     setuptools, which edits ``sys.meta_path``: done on that thread, it raced the main thread's imports (a first run
     failed with ModuleNotFoundError for a module that was there). So it is imported before the thread starts."""
@@ -112,6 +113,22 @@ def test_the_build_thread_leaves_the_import_system_alone():
              "threading.Thread.start = lambda self: seen.append('setuptools' in sys.modules)\n"
              "kernels.build_soon()\n"
              "assert seen == [True], seen\n")
+    empty = {**os.environ, "FUZZYSPEC_CACHE": str(tmp_path)}  # (nothing built there: a build starts)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=empty)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_kernels_built_already_load_at_once_without_the_build_machinery():
+    """Where this machine built the kernels already, ``build_soon`` loads them on the spot: no thread, no
+    cpp_extension (its import of setuptools, and ninja's check, took about 150 ms of every run), and the ops run."""
+    assert kernels.available()  # (built in this test run's cache, which the probe shares)
+    probe = ("import sys, threading, torch\n"
+             "from fuzzyspec.core import kernels\n"
+             "threading.Thread.start = lambda self: sys.exit('a thread started')\n"
+             "kernels.build_soon()\n"
+             "assert kernels.loaded() and 'setuptools' not in sys.modules\n"
+             "assert 'torch.utils.cpp_extension' not in sys.modules\n"
+             "torch.ops.fuzzyspec_layer.keep_columns([torch.zeros(1, 1, 4, 2)], 0, 0, [1])\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
