@@ -57,6 +57,12 @@ MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a ro
 # slowly (a row's rates by a few percent a step, a cost by at most ``cost.STRIDE`` a measurement), while planning
 # every step cost 0.16 ms of a compiled 4-bit step's 8 on a 2-core CPU.
 PLAN_EVERY = 4
+# While a plan holds every row back (none drafts or copies), the next comes twice as many steps later, up to
+# HELD_PLAN_EVERY, and after one that drafts, PLAN_EVERY again. A held-back row's acceptance only fades between plans
+# and its passes' prices move slowly, so such plans seldom change; but each is host time, and a held-back row runs
+# ahead as AR's do on a GPU, where the host's time per step sets the pace: the default job ran 0.79x AR on an H100,
+# drafting nothing (2026-11-28), and on the CPU a tiny target's held-back steps took 1.17x AR's, plans a half of that.
+HELD_PLAN_EVERY = 16
 # At a profile's REFRESH_AT-th plan in a process, and every REFRESH-th after, the rows planned to draft more than one
 # token draft one (a 1-token chain), and that step's pass and drafting are measured afresh (``Profile.remeasure``).
 # The planner measures only what it runs, so a narrow pass priced too high by a slow spell was not run again to come
@@ -170,6 +176,7 @@ class Engine:
         self.cache: StaticCache | None = None
         self.slots: list[Row | None] = []
         self._plan_in = 0  # steps until the next plan (``PLAN_EVERY``)
+        self._plan_every = PLAN_EVERY  # steps from this plan to the next (``HELD_PLAN_EVERY``)
         if lookahead is None:
             lookahead = self.device.type == "cuda" if LOOKAHEAD is None else LOOKAHEAD
         self.lookahead = lookahead
@@ -238,7 +245,7 @@ class Engine:
             row.stats.cached_tokens = starts[b]
             self.slots[slot] = row
             added.append(row)
-        self._plan_in = 0  # the new rows' sizes are planned at their first step
+        self._plan_in, self._plan_every = 0, PLAN_EVERY  # the new rows' sizes are planned at their first step
         return added
 
     def _reserve(self, slots: int, length: int) -> None:
@@ -326,7 +333,9 @@ class Engine:
         clock = time.perf_counter()
         if self._plan_in <= 0:  # (while a step runs ahead, rows' lengths lag its token: only caps read them)
             self._plan()
-            self._plan_in = PLAN_EVERY
+            held = not any(self._drafts(row) for row in self.slots if row is not None and not row.done)
+            self._plan_every = min(2 * self._plan_every, HELD_PLAN_EVERY) if held else PLAN_EVERY
+            self._plan_in = self._plan_every
         self._plan_in -= 1
         if self._ahead():
             return self._step_ahead()
