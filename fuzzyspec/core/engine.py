@@ -478,7 +478,9 @@ class Engine:
             queued.done.synchronize()
         values = queued.host.tolist()
         for b, row in queued.rows:
-            if self.slots[b] is not row or row.done:  # (it ended at the step before: this pass is dropped)
+            # (it ended at the step before: this pass is dropped; its slot may have left the batch already, with
+            # the empty slots after the last row's)
+            if b >= len(self.slots) or self.slots[b] is not row or row.done:
                 continue
             row.stats.target_forwards += 1
             row.stats.record_step(0, 0, None)

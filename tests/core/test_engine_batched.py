@@ -179,6 +179,20 @@ def test_ar_rows_run_one_step_ahead(target, draft, compiled, mode):
     assert engine.cache is None and engine._queued is None
 
 
+def test_a_row_in_the_last_slot_ending_first_while_steps_run_ahead(target):
+    """The last slot's row ends while the others go on, with a step queued ahead that still holds it: its slot
+    leaves the batch at once (trailing empty slots are dropped), and reading that queued step drops its token."""
+    configs = [DecodeConfig(method="ar", max_new_tokens=20), DecodeConfig(method="ar", max_new_tokens=5)]
+    engine = Engine(target, V, lookahead=True)
+    rows = [engine.add(torch.tensor([prompt]), config) for prompt, config in zip(PROMPTS, configs)]
+    while engine.rows:
+        engine.step()
+    for prompt, config, row in zip(PROMPTS, configs, rows):
+        expected, stats = alone(target, None, prompt, config)
+        assert row.tokens == expected and row.stats.target_forwards == stats.target_forwards
+    assert engine.cache is None and engine._queued is None
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_rows_the_schedule_holds_back_run_ahead_and_keep_their_features(target, head, compiled, mode, monkeypatch):
     """Rows whose drafter the cost schedule holds back run one step ahead as AR rows do (``lookahead``, forced
