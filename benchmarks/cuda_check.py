@@ -6,7 +6,7 @@
 2. Compiled steps captured as CUDA graphs equal eager steps token for token (AR, chains, EAGLE trees; one
    row and two rows together; a longer row joining midway, so that the cache grows under the graphs).
 3. An EAGLE row that the cost schedule holds back now and then (its steps then run ahead, as AR's do) gives AR's
-   tokens.
+   tokens; AR rows run ahead, the last slot's ending first, each get their tokens alone.
 4. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
 5. Loop overhead on the GPU: our AR against HF ``generate`` on a ~1B-parameter
    random Llama in bfloat16 (random weights: only speed is meaningful here).
@@ -163,6 +163,18 @@ def held() -> None:
                   tokens[0].tolist() == ar[0].tolist() and stats.proposed > 0)
     finally:
         engine_module.plan = planned
+    # AR rows run ahead (a GPU's default), the last slot's ending first: its slot leaves while a pass queued for it
+    # is still to be read (it raised IndexError before 2026-11-28)
+    configs = [DecodeConfig(method="ar", max_new_tokens=40), DecodeConfig(method="ar", max_new_tokens=9)]
+    prompts = [prompt, torch.tensor([[7, 1]], device=DEVICE)]
+    for label, step in (("eager", eager), ("graphs", graphs)):
+        engine = Engine(step, 256)
+        rows = [engine.add(ids, config) for ids, config in zip(prompts, configs)]
+        while engine.rows:
+            engine.step()
+        check(f"ar rows run ahead, the last slot's ending first ({label}): each as alone",
+              all(row.tokens == decode(step, None, ids, config, 256)[0][0].tolist()
+                  for row, ids, config in zip(rows, prompts, configs)))
 
 
 def loading() -> None:
