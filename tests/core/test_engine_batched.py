@@ -193,6 +193,47 @@ def test_a_row_in_the_last_slot_ending_first_while_steps_run_ahead(target):
     assert engine.cache is None and engine._queued is None
 
 
+def test_rows_coming_and_going_at_random_while_steps_run_ahead(target, draft, head, monkeypatch):
+    """With ``lookahead`` forced (a GPU's default), rows join at random steps into a batch whose other rows run
+    ahead, draft (a chain under a constant schedule), or are held back and let draft now and then by a scripted
+    schedule; they end by length, EOS or a stop callback, in any slot. Every row gets the tokens it gets alone,
+    greedy, and the engine ends with nothing queued."""
+    import random
+
+    chooser = random.Random(0)
+    sizes = iter(chooser.choice([0, 0, 0, 1, 2]) for _ in range(10**5))
+    monkeypatch.setattr(engine_module, "plan", lambda options, *_, **__: [(next(sizes), 1)] * len(options))
+    ahead, run_ahead = [], Engine._step_ahead
+    monkeypatch.setattr(Engine, "_step_ahead", lambda self: ahead.append(1) or run_ahead(self))
+    engine = Engine(target, V, lookahead=True)
+    made = []  # (row, prompt, config, kind, stop after)
+    for step in range(160):
+        if step < 120 and chooser.random() < 0.3:
+            prompt = chooser.choice(PROMPTS)
+            kind = chooser.choice(["ar", "ar", "draft", "eagle"])
+            config = DecodeConfig(method="ar" if kind == "ar" else "sd", gamma=3, max_new_tokens=chooser.randint(1, 30),
+                                  gamma_schedule="cost" if kind == "eagle" else "constant",
+                                  eos_token_ids=(chooser.randrange(V),) if chooser.random() < 0.3 else ())
+            stop = chooser.randint(1, 12) if chooser.random() < 0.2 else None
+            seen = []
+            callback = None if stop is None else (lambda new, seen=seen, stop=stop:
+                                                  seen.extend(new[0].tolist()) or len(seen) >= stop)
+            made.append((engine.add(torch.tensor([prompt]), config, drafter_for(kind, target, draft, head),
+                                    on_tokens=callback), prompt, config, kind, stop))
+        if engine.rows:
+            engine.step()
+    while engine.rows:
+        engine.step()
+    assert len(made) > 20 and {kind for *_, kind, _ in made} == {"ar", "draft", "eagle"} and len(ahead) > 50
+    for row, prompt, config, kind, stop in made:
+        expected = alone(target, drafter_for(kind, target, draft, head), prompt, config)[0]
+        if stop is not None and row.finish_reason == "stop" and len(row.tokens) < len(expected):
+            assert len(row.tokens) >= stop and row.tokens == expected[: len(row.tokens)]  # (ended by its callback)
+        else:
+            assert row.tokens == expected, (kind, config)
+    assert engine.cache is None and engine._queued is None
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_rows_the_schedule_holds_back_run_ahead_and_keep_their_features(target, head, compiled, mode, monkeypatch):
     """Rows whose drafter the cost schedule holds back run one step ahead as AR rows do (``lookahead``, forced
