@@ -74,6 +74,8 @@ ROWS = {
     "EAGLE-2 trees sd, constant, inductor's graphs": ("inductor", "eagle", {"method": "sd", "tree": True,
                                                                           "gamma_schedule": "constant"}),
     "default job (planned EAGLE-2 trees sd)": ("graphs", "eagle", {"method": "sd", "tree": True}),
+    "default job, plans every 4 (as before)": ("graphs", "eagle", {"method": "sd", "tree": True,
+                                                                     "held_plan_every": 4}),
     "chain fsd js 0.3": ("graphs", "draft", {"method": "fsd", "threshold": 0.3, "gamma_schedule": "constant"}),
     "chain fsd-hybrid js 0.3": ("graphs", "draft", {"method": "fsd-hybrid", "threshold": 0.3,
                                                     "gamma_schedule": "constant"}),
@@ -273,13 +275,14 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             kwargs = {"cache_implementation": "static"} if kind == "hf-static" else {}
             out = pair.target.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False, **kwargs)
             return out.shape[1] - ids.shape[1], count
-        options = dict(options)
+        options, held_plan_every = dict(options), engine_module.HELD_PLAN_EVERY
         engine_module.LOOKAHEAD = options.pop("lookahead", None)  # (None: the engine's default)
+        engine_module.HELD_PLAN_EVERY = options.pop("held_plan_every", held_plan_every)  # (as before 2026-11-28: 4)
         try:
             with inductor_head if kind == "inductor" else contextlib.nullcontext():
                 result = pairs[label].generate(ids, max_new_tokens=count, eos_token_ids=(), **options)
         finally:
-            engine_module.LOOKAHEAD = None
+            engine_module.LOOKAHEAD, engine_module.HELD_PLAN_EVERY = None, held_plan_every
         return result.stats.new_tokens, result.stats.target_forwards
 
     def timed(label: str, ids: torch.Tensor) -> tuple[float, int, int] | None:
