@@ -41,15 +41,39 @@ def checkout(commit: str) -> Path:
     return folder
 
 
-def once(sources: Path, job: list[str], threads: int) -> tuple[float, dict]:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(sources), os.environ.get("PYTHONPATH", "")])}
+def once(command: list[str], job: list[str], threads: int, **where) -> tuple[float, dict]:
+    """One run of the main command, ``python COMMAND --threads N generate MAIN_PROMPT --json JOB``, in a process of
+    its own (``where``: subprocess.run's cwd and env): its wall time, and its JSON's statistics."""
     clock = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "fuzzyspec", "--threads", str(threads), "generate", MAIN_PROMPT,
-                           "--json", *job], capture_output=True, text=True, timeout=600, cwd=sources, env=environment)
+    done = subprocess.run([sys.executable, *command, "--threads", str(threads), "generate", MAIN_PROMPT, "--json",
+                           *job], capture_output=True, text=True, timeout=600, **where)
     seconds = time.perf_counter() - clock
     if done.returncode:
         raise SystemExit(done.stderr)
     return seconds, json.loads(done.stdout)["stats"]
+
+
+def compare(ways: dict[str, tuple[list[str], dict]], repeats: int, threads: int
+            ) -> dict[tuple[str, str], list[tuple[float, dict]]]:
+    """Every way (a name -> its command and ``once``'s ``where``) with every job in ``JOBS``, in balanced turns,
+    after one uncounted run of each (a checkout's first run builds its kernels; every run warms the file cache):
+    each case's (seconds, statistics), and each run shown as it ends."""
+    cases = [(way, job) for way in ways for job in JOBS]
+    for way, job in cases:
+        once(ways[way][0], JOBS[job], threads, **ways[way][1])
+    runs: dict[tuple[str, str], list[tuple[float, dict]]] = {case: [] for case in cases}
+    for turn in balanced_turns(cases, repeats):
+        for way, job in turn:
+            taken, stats = once(ways[way][0], JOBS[job], threads, **ways[way][1])
+            runs[way, job].append((taken, stats))
+            print(f"  {way:38s} {job:12s} {taken:6.2f} s (decoding {stats['wall_s']:.2f} s, "
+                  f"{stats['new_tokens']} tokens)", file=sys.stderr, flush=True)
+    print(f"\nwhole processes, medians of {repeats} (seconds; decoding alone beside)")
+    for (way, job), done in runs.items():
+        print(f"  {way:38s} {job:12s} {statistics.median(t for t, _ in done):6.2f} s  decoding "
+              f"{statistics.median(stats['wall_s'] for _, stats in done):.2f} s  runs "
+              f"{', '.join(f'{t:.2f}' for t, _ in done)}")
+    return runs
 
 
 def main() -> None:
@@ -58,27 +82,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    sides = {"this checkout": ROOT, f"at {args.before}": checkout(args.before)}
+    before = checkout(args.before)
+    path = os.pathsep.join([str(before), os.environ.get("PYTHONPATH", "")])
+    ways = {"this checkout": (["-m", "fuzzyspec"], {"cwd": ROOT}),
+            f"at {args.before}": (["-m", "fuzzyspec"], {"cwd": before, "env": {**os.environ, "PYTHONPATH": path}})}
     print(f"fuzzyspec ab_main_command: {machine()} (the children run {args.threads} threads); "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
-    cases = [(side, job) for side in sides for job in JOBS]
-    for side, job in cases:  # (a side's first use builds its kernels; not counted)
-        once(sides[side], JOBS[job], args.threads)
-    seconds: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
-    for turn in balanced_turns(cases, args.repeats):
-        for side, job in turn:
-            taken, stats = once(sides[side], JOBS[job], args.threads)
-            seconds[side, job].append(taken)
-            print(f"  {side:24s} {job:12s} {taken:6.2f} s (decoding {stats['wall_s']:.2f} s, "
-                  f"{stats['new_tokens']} tokens)", file=sys.stderr, flush=True)
-    print(f"\nwhole processes, medians of {args.repeats} (seconds)")
-    median = {case: statistics.median(values) for case, values in seconds.items()}
-    for side, job in cases:
-        print(f"  {side:24s} {job:12s} {median[side, job]:6.2f} s  runs "
-              f"{', '.join(f'{value:.2f}' for value in seconds[side, job])}")
-    before = f"at {args.before}"
+    runs = compare(ways, args.repeats, args.threads)
     for job in JOBS:
-        print(f"  {job}: this checkout {median[before, job] / median['this checkout', job]:.3f}x as fast")
+        now, then = (statistics.median(t for t, _ in runs[way, job]) for way in ways)
+        print(f"  {job}: this checkout {then / now:.3f}x as fast")
 
 
 if __name__ == "__main__":
