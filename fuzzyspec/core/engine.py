@@ -605,8 +605,11 @@ class Engine:
             self.cache.keep(b, starts_list[b], kept)
             self.cache.lengths[b] = starts_list[b] + len(kept)
             if b in readers:
-                features_b = target_features(found, row.drafter, self.step_fn.layer_count)[b: b + 1]
-                row.drafter.observe(row.sequence.shape[1] - 1, features_b.index_select(1, upload(kept, self.device)))
+                features = target_features(found, row.drafter, self.step_fn.layer_count)[b: b + 1]
+                # A chain's kept positions (or the newest token's alone) are the pass's first ones: a slice. A tree's
+                # kept path is picked out by index (kept rises from 0, so it is a prefix where it ends at its length).
+                row.drafter.observe(row.sequence.shape[1] - 1, features[:, : len(kept)] if kept[-1] == len(kept) - 1
+                                    else features.index_select(1, upload(kept, self.device)))
             if draft is not None:
                 row.drafter.accepted(len(verdict.path))
             row.stats.target_forwards += 1
