@@ -27,7 +27,8 @@ target's cache by two indexing operations a layer's tensor, as before ``layer_ke
 2026-11-27), ``head2``,
 ``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
 job of its own: two heads compared alike);
-``held`` (every row held back from drafting by the plan; copies still proposed), ``doubtN`` (a row stops drafting only where drafting loses with its acceptances raised by N/10 standard errors,
+``held`` (every row held back from drafting by the plan; copies still proposed),
+``doubtN`` (a row stops drafting only where drafting loses with its acceptances raised by N/10 standard errors,
 ``cost.DOUBT``; ``doubt0``: as before 2026-11-27, late evening, when it stopped wherever its estimate said so),
 ``poolar`` (a row drafts nothing only where its drafter's acceptance over all rows would draft nothing too:
 ``pooled_ar``), ``tuned`` (the job as shipped, from the profile ``fuzzyspec tune`` would leave: ``tuning.measure`` after preparing,

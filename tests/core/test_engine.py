@@ -373,4 +373,3 @@ def test_plans_come_less_often_while_every_row_is_held_back(target, draft, monke
     gaps = [later - earlier for earlier, later in zip(planned_at, planned_at[1:])]
     assert gaps[:7] == [8, 16, 16, 16, 16, 4, 4] and row.stats.proposed > 0
     assert row.sequence[0, len(PROMPTS[0]):].tolist() == hf_greedy(target, PROMPTS[0], 120)
-
