@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_step import MAIN_PROMPT, ROOT  # (this folder's modules)
+from bench_step import MAIN_PROMPT, ROOT, sources_at  # (this folder's modules)
 from turns import balanced_turns
 
 from fuzzyspec.tuning import machine
@@ -33,12 +33,7 @@ def checkout(commit: str) -> Path:
     resolved = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", commit], capture_output=True,
                               text=True, check=True).stdout.strip()
     folder = Path(tempfile.gettempdir()) / f"fuzzyspec-before-{resolved}"
-    if not (folder / "fuzzyspec" / "__init__.py").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", resolved, "fuzzyspec"], capture_output=True,
-                                 check=True)
-        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
-    return folder
+    return folder if (folder / "fuzzyspec" / "__init__.py").is_file() else sources_at(resolved, folder)
 
 
 def once(command: list[str], job: list[str], threads: int, **where) -> tuple[float, dict]:

@@ -75,11 +75,17 @@ def everyday(count: int) -> list[tuple[str, str]]:
     return ordered[:count]
 
 
-def old_engine(commit: str):
-    """The decode function and config class of the engine at ``commit`` (a second package, ``before``)."""
-    folder = Path(tempfile.mkdtemp(prefix="fuzzyspec-before-"))
+def sources_at(commit: str, folder: Path) -> Path:
+    """``folder``, holding the ``fuzzyspec`` package as it was at ``commit`` (``git archive``)."""
+    folder.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "fuzzyspec"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder
+
+
+def old_engine(commit: str):
+    """The decode function and config class of the engine at ``commit`` (a second package, ``before``)."""
+    folder = sources_at(commit, Path(tempfile.mkdtemp(prefix="fuzzyspec-before-")))
     spec = importlib.util.spec_from_file_location("before", folder / "fuzzyspec" / "__init__.py",
                                                   submodule_search_locations=[str(folder / "fuzzyspec")])
     package = importlib.util.module_from_spec(spec)

@@ -104,14 +104,19 @@ def correctness() -> None:
         check(f"fsd T=inf == draft alone (temperature {temperature})", fuzzy == alone and stats.target_forwards == 0)
 
 
+def tiny_target():
+    """The compiled checks' tiny float32 target, a random EAGLE head for it and the module its logits read, and the
+    target's step eager and compiled (captured as CUDA graphs on a GPU)."""
+    target = llama(256, 64, 2, seed=0)
+    head = EagleHead.for_target(target).to(DEVICE).eval()
+    return target, head, head_logits(head, target), TargetStep(target), TargetStep(target, compile=True)
+
+
 def compiled() -> None:
     """Compiled steps captured as CUDA graphs give the eager steps' tokens (float32): AR, chains and EAGLE trees,
     one row and two rows of different lengths decoded together, and a longer row joining midway (the cache grows)."""
-    target = llama(256, 64, 2, seed=0)
+    target, head, logits, eager, graphs = tiny_target()
     draft = llama(256, 64, 1, seed=3)
-    head = EagleHead.for_target(target).to(DEVICE).eval()
-    logits = head_logits(head, target)
-    eager, graphs = TargetStep(target), TargetStep(target, compile=True)
     if DEVICE != "cpu":
         check("a compiled CUDA step is captured as CUDA graphs", graphs.graphs)
     prompts = [torch.tensor([list(range(3, 12))], device=DEVICE), torch.tensor([[7, 1]], device=DEVICE)]
@@ -145,10 +150,7 @@ def compiled() -> None:
 def held() -> None:
     """An EAGLE row that the cost schedule holds back now and then (its steps then run ahead on a GPU, feeding the
     head the target's features) gives AR's tokens, eager and through CUDA graphs."""
-    target = llama(256, 64, 2, seed=0)
-    head = EagleHead.for_target(target).to(DEVICE).eval()
-    logits = head_logits(head, target)
-    eager, graphs = TargetStep(target), TargetStep(target, compile=True)
+    target, head, logits, eager, graphs = tiny_target()
     prompt = torch.tensor([list(range(3, 12))], device=DEVICE)
     # a scripted schedule: two plans holding the row back (its steps run ahead on a GPU, feeding the head the
     # target's features), then one drafting 2 tokens
