@@ -99,8 +99,10 @@ def build_soon() -> None:
         threading.Thread(target=unavailable, name="fuzzyspec-kernels").start()
 
 
+@functools.cache
 def _library() -> Path:
-    """Where the kernels' build for these sources, flags and torch lives (its shared library, built or not).
+    """Where the kernels' build for these sources, flags and torch lives (its shared library, built or not); worked
+    out once a process (``build_soon`` asks, then the build it starts).
 
     The build is these sources, at this path, with these flags, for this torch: a change to any builds anew, beside
     the old one. (The path too: ninja rebuilds a file whose command changed, and the command names the sources'
