@@ -44,7 +44,8 @@ def main() -> None:
     variants = {"ar": ({"method": "ar"}, held), f"plans every {engine_module.PLAN_EVERY} steps": (tree, 0),
                 f"backing off to {held}": (tree, held)}
     prompts = everyday(args.prompts)
-    print(f"fuzzyspec ab_held_back ({args.set}): {machine()}; {len(prompts)} everyday prompts x 128 tokens; "
+    form = "float32, compiled, run ahead" if args.set == "tiny" else "the GGUF's 4 bits (int4), eager"
+    print(f"fuzzyspec ab_held_back ({args.set}; {form}): {machine()}; {len(prompts)} everyday prompts x 128 tokens; "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
 
     def answer(name: str, prompt: str) -> tuple[float, int, int]:
