@@ -17,11 +17,12 @@ from torch import Tensor
 
 def upload(values: list | Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
     """Host data (a list, or a CPU tensor) as a tensor on ``device``, copied without waiting for the device:
-    staged in pinned memory, which an asynchronous copy needs to stay asynchronous."""
+    staged in pinned memory, which an asynchronous copy needs to stay asynchronous. A tensor on the device already
+    is returned as it is."""
     tensor = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or tensor.device.type == "cuda":  # (there already: nothing to stage)
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 

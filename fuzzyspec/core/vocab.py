@@ -33,6 +33,7 @@ class DraftVocab:
             raise ValueError(f"a draft vocabulary needs distinct target ids in [0, {target_size}), ascending")
         self.target_ids = ids  # [N]: target id of each draft id
         self.target_size = target_size
+        self._copies: dict[torch.device, Tensor] = {}  # target_ids on other devices (``ids_on``)
 
     def __len__(self) -> int:
         return self.target_ids.numel()
@@ -57,23 +58,32 @@ class DraftVocab:
 
     def to(self, device: torch.device | str) -> "DraftVocab":
         moved = DraftVocab.__new__(DraftVocab)
-        moved.target_ids, moved.target_size = self.target_ids.to(device), self.target_size
+        moved.target_ids, moved.target_size, moved._copies = self.target_ids.to(device), self.target_size, {}
         return moved
+
+    def ids_on(self, device: torch.device) -> Tensor:
+        """``target_ids`` on ``device``, copied there once: a copy from pageable host memory to a GPU waits for
+        everything queued before it, and drafting maps ids at every tree level."""
+        if self.target_ids.device == device:
+            return self.target_ids
+        if device not in self._copies:
+            self._copies[device] = self.target_ids.to(device)
+        return self._copies[device]
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft ids -> target ids, any shape."""
-        return self.target_ids.to(draft_ids.device)[draft_ids]
+        return self.ids_on(draft_ids.device)[draft_ids]
 
     def expand(self, values: Tensor, fill: float = 0.0) -> Tensor:
         """[..., N] values over draft ids -> [..., V] over target ids, ``fill`` elsewhere (0 for
         probabilities, -inf for logits)."""
         full = values.new_full((*values.shape[:-1], self.target_size), fill)
-        full[..., self.target_ids.to(values.device)] = values
+        full[..., self.ids_on(values.device)] = values
         return full
 
     def restrict(self, values: Tensor) -> Tensor:
         """[..., V] over target ids -> [..., N], the draft's columns only."""
-        return values.index_select(-1, self.target_ids.to(values.device))
+        return values.index_select(-1, self.ids_on(values.device))
 
     def coverage(self, tokens: Iterable[int] | np.ndarray) -> float:
         """Share of ``tokens`` (target ids) that the draft can propose."""

@@ -157,85 +157,79 @@ class EagleDrafter(BaseDrafter):
     def _tree(self, sequence: Tensor, root_hidden: Tensor, shape: tuple[int, int, int], sampling: Sampling,
               distributions: bool = True) -> Draft:
         """An EAGLE-2 dynamic tree below the newest token (see the class docstring); its nodes' distributions
-        kept where ``distributions`` (the rule reads them)."""
+        kept where ``distributions`` (the rule reads them).
+
+        It grows on the device: which nodes each level expands, and their children, are chosen there, and the
+        whole tree is read once, at the end (a read at every level waited for the device at every head call, and
+        on a GPU a read is a wait for everything queued). So every level expands ``top_k`` nodes and gives each
+        ``top_k`` children, in a fixed layout: the root's children are nodes 0 .. k - 1, and level l's children
+        (l = 2 .. depth) come k x k at a time, expanded node by expanded node, likeliest child first. A child of
+        probability 0 (a sampling filter's) gets the score -inf: it is never kept, nor expanded but to fill a
+        level, and its children are -inf too."""
         total, max_depth, top_k = shape
+        device = root_hidden.device
         base = self.cache.get_seq_length()  # head positions from true features; tree nodes go after them
         root_logits = self._logits(root_hidden[:, -1])[0]
         root_q = sampling.probs(root_logits)
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []  # log confidence of each node
-        depths: list[int] = []
+        k = min(top_k, root_q.shape[-1])
         # every head pass's logits and q, stacked at the end: row 0 the root's, then each level's expanded nodes
         level_logits, level_q = [root_logits[None]], [root_q[None]]
-        row_of: dict[int, int] = {}  # expanded node -> its row in those
-
-        def add_children(expanded: list[int], probs: Tensor, depth: int) -> list[int]:
-            """The ``top_k`` children of every expanded node (probs [len(expanded), N]), read from the device in
-            one transfer per level (probabilities and ids together; ids are exact in float64)."""
-            values, ids = probs.topk(min(top_k, probs.shape[-1]))
-            if self.vocab is not None:
-                ids = self.vocab.to_target(ids)
-            found = torch.stack([values.double(), ids.double()]).tolist()
-            added = []
-            for parent, row_values, row_ids in zip(expanded, *found):
-                for value, token in zip(row_values, row_ids):
-                    if value <= 0:
-                        break
-                    added.append(len(tokens))
-                    tokens.append(int(token))
-                    parents.append(parent)
-                    scores.append((scores[parent] if parent >= 0 else 0.0) + math.log(value))
-                    depths.append(depth)
-            return added
-
-        frontier = add_children([-1], root_q[None], 1)
-        hidden_of = {-1: root_hidden[0, -1]}
-        in_cache: list[int] = []  # expanded nodes, in head cache order after ``base``
+        values, ids = root_q.topk(k)
+        scores = values.double().log()  # a node's log confidence: the sum of its path's draft log-probabilities
+        tokens = self._target_ids(ids)
+        found_scores, found_tokens, expanded = [scores], [tokens], []
+        hidden = root_hidden[0, -1].expand(k, -1)  # the hidden state each frontier node's parent left
+        first, size = 0, k  # the frontier's first node, and how many it holds
+        own = torch.eye(k, dtype=torch.bool, device=device)
+        seen = own  # which of the tree's positions in the head's cache each node expanded last saw (itself included)
+        prefix = torch.ones(k, base, dtype=torch.bool, device=device)
         for level in range(2, max_depth + 1):
-            expand = sorted(frontier, key=lambda node: -scores[node])[:top_k]
-            if not expand:
-                break
-            # What each expanded node sees past the true positions: its ancestors (in the cache) and itself; made as
-            # lists on the host, then one tensor (an indexing operation per ancestor cost tens of microseconds each
-            # on a GPU machine's host)
-            slot = {node: i for i, node in enumerate(in_cache)}
-            seen = [[False] * (len(in_cache) + len(expand)) for _ in expand]
-            for row, node in enumerate(expand):
-                ancestor = parents[node]
-                while ancestor >= 0:
-                    seen[row][slot[ancestor]] = True
-                    ancestor = parents[ancestor]
-                seen[row][len(in_cache) + row] = True
-            allowed = torch.cat([torch.ones(len(expand), base, dtype=torch.bool), torch.tensor(seen)], 1)
-            positions = upload([[base - 1 + depths[node] for node in expand]], sequence.device)
-            features = torch.stack([hidden_of[parents[node]] for node in expand])[None]
-            hidden = self.step(self.cache, upload([[tokens[node] for node in expand]], sequence.device), features,
-                               positions, allowed, compiled=self.compiled)
+            # The likeliest k of the frontier (ties: the earlier drafted), fed to the head at once: each sees the true
+            # positions, the expanded nodes above it (its parent's row of ``seen``) and itself.
+            chosen = scores.sort(descending=True, stable=True).indices[:k]
+            if level > 2:  # (the root's children all hang from the root; deeper nodes from the last pass's rows)
+                parent_row = chosen // k
+                seen, features = torch.cat([seen[parent_row], own], 1), hidden[parent_row]
+            else:
+                features = hidden
+            allowed = torch.cat([prefix, seen], 1)
+            hidden = self.step(self.cache, tokens[chosen][None], features[None],
+                               upload([[base - 2 + level] * k], device), allowed, compiled=self.compiled)[0]
             self.forwards += 1
-            in_cache += expand
-            logits = self._logits(hidden[0])
+            logits = self._logits(hidden)
             probs = sampling.probs(logits)
-            offset = sum(map(len, level_q))
-            for row, node in enumerate(expand):
-                hidden_of[node] = hidden[0, row]
-                row_of[node] = offset + row
             level_logits.append(logits)
             level_q.append(probs)
-            frontier = add_children(expand, probs, level)
+            values, ids = probs.topk(k)
+            scores = (scores[chosen][:, None] + values.double().log()).flatten()
+            tokens = self._target_ids(ids).flatten()
+            expanded.append(first + chosen)
+            found_scores.append(scores)
+            found_tokens.append(tokens)
+            first, size = first + size, k * k
         crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
+        # the tree's one read: every node's score and token, and the nodes each level expanded (whose children
+        # come k x k after the root's, row by row: so each node's parent)
+        read = torch.cat([torch.cat(found_scores), torch.cat(found_tokens).double(), *(
+            [torch.cat(expanded).double()] if expanded else [])]).tolist()
+        count = first + size
+        node_scores, node_tokens = read[:count], read[count: 2 * count]
+        expanded_nodes = [int(node) for node in read[2 * count:]]
+        depth = [1] * k + [2 + (node - k) // (k * k) for node in range(k, count)]
+        node_parents = [-1] * k + [expanded_nodes[(node - k) // k] for node in range(k, count)]
+        row_of = {node: 1 + row for row, node in enumerate(expanded_nodes)}  # an expanded node's row of level_q
 
-        kept = sorted(range(len(tokens)), key=lambda node: -scores[node])[:total]
+        kept = sorted((node for node in range(count) if node_scores[node] > -math.inf),
+                      key=lambda node: -node_scores[node])[:total]
         kept_set = set(kept)
         for node in list(kept):  # ties aside a child never outranks its parent; make sure anyway
-            while parents[node] >= 0 and parents[node] not in kept_set:
-                node = parents[node]
+            while node_parents[node] >= 0 and node_parents[node] not in kept_set:
+                node = node_parents[node]
                 kept_set.add(node)
-        order = sorted(kept_set, key=lambda node: (depths[node], -scores[node]))
+        order = sorted(sorted(kept_set), key=lambda node: (depth[node], -node_scores[node]))
         new_index = {node: i for i, node in enumerate(order)}
-        device = sequence.device
-        tokens_kept = upload([tokens[node] for node in order], device)
-        parents_kept = torch.tensor([new_index.get(parents[node], -1) for node in order])
+        tokens_kept = upload([int(node_tokens[node]) for node in order], device)
+        parents_kept = torch.tensor([new_index.get(node_parents[node], -1) for node in order])
         if not distributions:
             return Draft(tokens_kept, parents_kept, vocab=self.vocab)
         # each kept node's row (a leaf's: zeros, after the last level), gathered at once rather than copied one by one
@@ -245,3 +239,7 @@ class EagleDrafter(BaseDrafter):
         q = torch.cat([*level_q, zeros]).float().index_select(0, rows)
         logits = torch.cat([*level_logits, zeros]).float().index_select(0, rows)
         return Draft(tokens_kept, parents_kept, q, logits, self.vocab, sampled=False)
+
+    def _target_ids(self, ids: Tensor) -> Tensor:
+        """Draft ids (of the head's logits) as target ids."""
+        return self.vocab.to_target(ids) if self.vocab is not None else ids

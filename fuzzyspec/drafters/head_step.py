@@ -2,7 +2,7 @@
 
 Every head call the drafter makes (the true features after a verification, each chain token, each tree level)
 writes its T inputs at the cache's ``length`` on, with rotary ``positions`` (default: the write positions), and
-attends causally, or where ``allowed`` [T, length + T] (host, bool; a tree level's mask) says.
+attends causally, or where ``allowed`` [T, length + T] (bool, on the device; a tree level's mask) says.
 
 ``HeadStep`` runs an EAGLE-1/2 head of the Llama family (``eagle_head.EagleHead``: fc over [embedding ; feature],
 one decoder layer) as one function of tensors over a ``HeadCache`` of fixed capacity, through the same layer code
@@ -114,10 +114,11 @@ class HeadStep:
         mask = torch.zeros(run, cache.capacity, dtype=torch.bool)
         mask[:, :start] = True
         mask[:, start: start + run] = torch.eye(run, dtype=torch.bool)
-        if allowed is not None:
-            mask[:width, : start + width] = allowed
-        else:
+        if allowed is None:
             mask[:width, start: start + width] = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = upload(mask, device)
+        if allowed is not None:  # (a tree level's, made on the device: written there, not read back)
+            mask[:width, : start + width] = allowed
         write = torch.arange(start, start + run, device=device)[None]
         if run > width:
             tokens = torch.cat([tokens, tokens.new_zeros(1, run - width)], 1)
@@ -126,7 +127,7 @@ class HeadStep:
                 positions = torch.cat([positions, positions[:, -1:].expand(1, run - width)], 1)
         if positions is None:  # (a tensor of its own: dynamo tells graphs apart by their inputs' aliasing too)
             positions = write.clone()
-        arguments = (cache.keys, cache.values, tokens, features, positions, write, upload(mask, device)[None, None])
+        arguments = (cache.keys, cache.values, tokens, features, positions, write, mask[None, None])
         if padded is None:
             hidden = self.forward(*arguments)
         else:

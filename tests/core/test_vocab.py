@@ -26,6 +26,15 @@ def test_expand_and_restrict():
     assert vocab.to_target(torch.tensor([[2, 0]])).tolist() == [[3, 0]]
 
 
+def test_the_ids_are_copied_to_another_device_once():
+    """Drafting maps ids at every tree level; a copy from host memory to a GPU each time would wait for the device."""
+    vocab = DraftVocab(torch.tensor([1, 4, 6]), 8)
+    meta = torch.device("meta")
+    assert vocab.ids_on(torch.device("cpu")) is vocab.target_ids
+    assert vocab.ids_on(meta).device == meta and vocab.ids_on(meta) is vocab.ids_on(meta)
+    assert vocab.to_target(torch.tensor([[2, 0]])).tolist() == [[6, 1]]
+
+
 @pytest.mark.parametrize("ids, size", [([], 4), ([2, 1], 4), ([1, 1], 4), ([0, 4], 4), ([-1, 2], 4)])
 def test_bad_vocabularies(ids, size):
     with pytest.raises(ValueError):
