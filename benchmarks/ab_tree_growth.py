@@ -7,7 +7,7 @@ drafter's ``propose``: the head's passes and the choices around them), and the d
 (``.tolist()``, ``.item()``, ``int()``, ``bool()`` and ``float()`` of a tensor, counted in the drafter's own module).
 The answers must be the same tokens (greedy SD is the target's greedy output): it says so, or stops.
 
-Usage: python benchmarks/ab_tree_growth.py [--before HEAD] [--mode eager|compiled] [--prompts 12]
+Usage: python benchmarks/ab_tree_growth.py [--before 25f64e3] [--mode eager|compiled] [--prompts 12]
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class Reads:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="HEAD", help="the commit whose level-by-level trees to compare")
+    parser.add_argument("--before", default="25f64e3", help="a commit whose trees grew level by level (25f64e3: the last)")
     parser.add_argument("--mode", choices=("eager", "compiled"), default="eager")
     parser.add_argument("--prompts", type=int, default=12)
     args = parser.parse_args()

@@ -179,22 +179,19 @@ class EagleDrafter(BaseDrafter):
         tokens = self._target_ids(ids)
         found_scores, found_tokens, expanded = [scores], [tokens], []
         hidden = root_hidden[0, -1].expand(k, -1)  # the hidden state each frontier node's parent left
-        first, size = 0, k  # the frontier's first node, and how many it holds
         own = torch.eye(k, dtype=torch.bool, device=device)
         seen = own  # which of the tree's positions in the head's cache each node expanded last saw (itself included)
-        prefix = torch.ones(k, base, dtype=torch.bool, device=device)
         for level in range(2, max_depth + 1):
             # The likeliest k of the frontier (ties: the earlier drafted), fed to the head at once: each sees the true
-            # positions, the expanded nodes above it (its parent's row of ``seen``) and itself.
+            # positions, and of the tree's, the expanded nodes above it (its parent's row of ``seen``) and itself.
             chosen = scores.sort(descending=True, stable=True).indices[:k]
             if level > 2:  # (the root's children all hang from the root; deeper nodes from the last pass's rows)
                 parent_row = chosen // k
                 seen, features = torch.cat([seen[parent_row], own], 1), hidden[parent_row]
             else:
                 features = hidden
-            allowed = torch.cat([prefix, seen], 1)
             hidden = self.step(self.cache, tokens[chosen][None], features[None],
-                               upload([[base - 2 + level] * k], device), allowed, compiled=self.compiled)[0]
+                               upload([[base - 2 + level] * k], device), seen, compiled=self.compiled)[0]
             self.forwards += 1
             logits = self._logits(hidden)
             probs = sampling.probs(logits)
@@ -203,18 +200,18 @@ class EagleDrafter(BaseDrafter):
             values, ids = probs.topk(k)
             scores = (scores[chosen][:, None] + values.double().log()).flatten()
             tokens = self._target_ids(ids).flatten()
-            expanded.append(first + chosen)
+            expanded.append(chosen)
             found_scores.append(scores)
             found_tokens.append(tokens)
-            first, size = first + size, k * k
         crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
-        # the tree's one read: every node's score and token, and the nodes each level expanded (whose children
-        # come k x k after the root's, row by row: so each node's parent)
+        # the tree's one read: every node's score and token, and which of its frontier each level expanded (their
+        # children come k x k after the root's, row by row: so each node's parent)
         read = torch.cat([torch.cat(found_scores), torch.cat(found_tokens).double(), *(
             [torch.cat(expanded).double()] if expanded else [])]).tolist()
-        count = first + size
+        count = k + (max_depth - 1) * k * k
         node_scores, node_tokens = read[:count], read[count: 2 * count]
-        expanded_nodes = [int(node) for node in read[2 * count:]]
+        frontiers = [0] + [k + k * k * level for level in range(max_depth - 2)]  # where each level's frontier began
+        expanded_nodes = [frontiers[i // k] + int(node) for i, node in enumerate(read[2 * count:])]
         depth = [1] * k + [2 + (node - k) // (k * k) for node in range(k, count)]
         node_parents = [-1] * k + [expanded_nodes[(node - k) // k] for node in range(k, count)]
         row_of = {node: 1 + row for row, node in enumerate(expanded_nodes)}  # an expanded node's row of level_q

@@ -2,7 +2,8 @@
 
 Every head call the drafter makes (the true features after a verification, each chain token, each tree level)
 writes its T inputs at the cache's ``length`` on, with rotary ``positions`` (default: the write positions), and
-attends causally, or where ``allowed`` [T, length + T] (bool, on the device; a tree level's mask) says.
+attends causally, or as ``allowed`` [T, n] (bool, on the device; a tree level's mask) says of the cache's last n - T
+positions and the inputs themselves (every position before those is seen).
 
 ``HeadStep`` runs an EAGLE-1/2 head of the Llama family (``eagle_head.EagleHead``: fc over [embedding ; feature],
 one decoder layer) as one function of tensors over a ``HeadCache`` of fixed capacity, through the same layer code
@@ -51,7 +52,10 @@ class ModuleStep:
     def __call__(self, cache: DraftCache, tokens: Tensor, features: Tensor, positions: Tensor | None = None,
                  allowed: Tensor | None = None, compiled: bool = False) -> Tensor:
         embeds = self.embed(tokens)
-        mask = None if allowed is None else upload(allowed, embeds.device)[None, None]
+        mask = None
+        if allowed is not None:  # (every position before the part ``allowed`` covers is seen)
+            seen = cache.get_seq_length() + tokens.shape[1] - allowed.shape[1]
+            mask = torch.cat([allowed.new_ones(allowed.shape[0], seen), allowed], 1)[None, None]
         return self.head(embeds, features.to(embeds.dtype), cache, mask=mask, positions=positions)
 
 
@@ -118,7 +122,7 @@ class HeadStep:
             mask[:width, start: start + width] = torch.ones(width, width, dtype=torch.bool).tril()
         mask = upload(mask, device)
         if allowed is not None:  # (a tree level's, made on the device: written there, not read back)
-            mask[:width, : start + width] = allowed
+            mask[:width, start + width - allowed.shape[1]: start + width] = allowed
         write = torch.arange(start, start + run, device=device)[None]
         if run > width:
             tokens = torch.cat([tokens, tokens.new_zeros(1, run - width)], 1)

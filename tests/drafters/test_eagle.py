@@ -1,14 +1,13 @@
 import copy
 import dataclasses
-import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_llama
+from tree_reference import TREE_SHAPES, assert_grown_as_the_reference
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.draft import Budget
 from fuzzyspec.core.engine import Engine, decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.core.kvcache import DraftCache, crop_to
@@ -267,65 +266,6 @@ def test_a_tree_narrowed_to_a_chain_between_trees_drafts_what_the_tree_would(mod
     assert tokens[0].tolist() == expected.tolist()
 
 
-@torch.inference_mode()
-def tree_level_by_level(drafter, sequence, shape, sampling):
-    """EAGLE-2's tree as the drafter grew it until 2026-11-28, a level at a time with the host choosing each level's
-    nodes (children of probability 0 left out): the reference. Returns its kept nodes' tokens, parents and q rows."""
-    total, max_depth, top_k = shape
-    hidden = drafter._root(sequence)
-    base = drafter.cache.get_seq_length()
-    root_q = sampling.probs(drafter._logits(hidden[:, -1])[0])
-    tokens, parents, scores, depths, q_rows, row_of = [], [], [], [], [root_q], {}
-
-    def add_children(expanded, probs, depth):
-        values, ids = probs.topk(min(top_k, probs.shape[-1]))
-        added = []
-        for parent, row_values, row_ids in zip(expanded, values.double().tolist(), drafter._target_ids(ids).tolist()):
-            for value, token in zip(row_values, row_ids):
-                if value <= 0:
-                    break
-                added.append(len(tokens))
-                tokens.append(token)
-                parents.append(parent)
-                scores.append((scores[parent] if parent >= 0 else 0.0) + math.log(value))
-                depths.append(depth)
-        return added
-
-    frontier, hidden_of, in_cache = add_children([-1], root_q[None], 1), {-1: hidden[0, -1]}, []
-    for level in range(2, max_depth + 1):
-        expand = sorted(frontier, key=lambda node: -scores[node])[:top_k]
-        if not expand:
-            break
-        allowed = torch.zeros(len(expand), base + len(in_cache) + len(expand), dtype=torch.bool)
-        allowed[:, :base] = True
-        for row, node in enumerate(expand):
-            ancestor = parents[node]
-            while ancestor >= 0:
-                allowed[row, base + in_cache.index(ancestor)] = True
-                ancestor = parents[ancestor]
-            allowed[row, base + len(in_cache) + row] = True
-        out = drafter.step(drafter.cache, torch.tensor([[tokens[node] for node in expand]]),
-                           torch.stack([hidden_of[parents[node]] for node in expand])[None],
-                           torch.tensor([[base - 1 + depths[node] for node in expand]]), allowed)[0]
-        in_cache += expand
-        probs = sampling.probs(drafter._logits(out))
-        for row, node in enumerate(expand):
-            hidden_of[node], row_of[node] = out[row], len(q_rows) + row
-        q_rows += list(probs)
-        frontier = add_children(expand, probs, level)
-    crop_to(drafter.cache, base)
-    kept = set(sorted(range(len(tokens)), key=lambda node: -scores[node])[:total])
-    for node in list(kept):
-        while parents[node] >= 0 and parents[node] not in kept:
-            node = parents[node]
-            kept.add(node)
-    order = sorted(sorted(kept), key=lambda node: (depths[node], -scores[node]))
-    blank = torch.zeros_like(root_q)
-    return ([tokens[node] for node in order], [order.index(parents[node]) if parents[node] >= 0 else -1
-                                               for node in order],
-            torch.stack([root_q] + [q_rows[row_of[node]] if node in row_of else blank for node in order]))
-
-
 @pytest.mark.parametrize("reduced", [False, True])
 def test_a_tree_grown_on_the_device_is_the_one_grown_level_by_level(model, head, reduced):
     """The tree grown on the device, read once, is EAGLE-2's tree as the host grew it a level at a time: the same
@@ -335,17 +275,8 @@ def test_a_tree_grown_on_the_device_is_the_one_grown_level_by_level(model, head,
         head = copy.deepcopy(head)
         head.vocab = DraftVocab(torch.arange(0, V, 2), V)
     generator = torch.Generator().manual_seed(4)
-    for shape in [(8, 3, 2), (30, 6, 5), (16, 5, 4), (3, 1, 3), (6, 4, 1), (40, 4, 6)]:
+    for shape in TREE_SHAPES:
         for sampling in (Sampling(), Sampling(temperature=0.8, top_k=3)):
             prompt = torch.randint(0, V, (1, 12), generator=generator)
-            features = features_of(model, prompt)
-            drafters = [EagleDrafter(head, model, V), EagleDrafter(head, model, V)]
-            for drafter in drafters:
-                drafter.reset()
-                drafter.observe(0, features[:, :-1])
-            budget = Budget(tokens=shape[1], tree=shape)
-            grown = drafters[0].propose(prompt, budget, sampling, None)
-            tokens, parents, q = tree_level_by_level(drafters[1], prompt, shape, sampling)
-            assert grown.tokens.tolist() == tokens and grown.parents.tolist() == parents, (shape, sampling)
-            assert torch.allclose(grown.q, q, atol=1e-6), (shape, sampling)
-            assert drafters[0].cache.get_seq_length() == drafters[1].cache.get_seq_length()
+            assert_grown_as_the_reference(lambda: EagleDrafter(head, model, V), prompt,
+                                          features_of(model, prompt)[:, :-1], shape, sampling)

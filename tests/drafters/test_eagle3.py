@@ -15,6 +15,7 @@ from fuzzyspec.drafters.eagle3 import default_feature_layers, is_eagle3, load_ea
 from fuzzyspec.core.sampling import Sampling
 from fuzzyspec.core.vocab import DraftVocab
 from stats_util import two_token_check
+from tree_reference import TREE_SHAPES, assert_grown_as_the_reference
 
 V = 32
 
@@ -149,3 +150,17 @@ def test_sampled_sd_with_a_reduced_draft_vocabulary_has_the_targets_distribution
         target, prompt, lambda seed: decode(target, drafter, prompt, dataclasses.replace(config, seed=seed), 6))
     assert 100 < accepted < 1400
     assert p_value > 1e-3
+
+
+def test_an_eagle3_tree_grown_on_the_device_is_the_one_grown_level_by_level(target_model):
+    """As for an EAGLE-1/2 head (tests/drafters/test_eagle.py): an EAGLE-3 head's tree (its own module's step, which
+    sees a tree level's mask as the drafter made it on the device) is the one grown level by level."""
+    head = random_head(target_model)
+    generator = torch.Generator().manual_seed(5)
+    width = len(head.feature_layers) * target_model.config.hidden_size
+    for shape in TREE_SHAPES:
+        for sampling in (Sampling(), Sampling(temperature=0.8, top_k=3)):
+            prompt = torch.randint(0, V, (1, 10), generator=generator)
+            features = torch.randn(1, 9, width, generator=generator)
+            assert_grown_as_the_reference(lambda: EagleDrafter(head, target_model, V), prompt, features, shape,
+                                          sampling)
