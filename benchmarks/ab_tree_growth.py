@@ -75,7 +75,8 @@ class Reads:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="25f64e3", help="a commit whose trees grew level by level (25f64e3: the last)")
+    parser.add_argument("--before", default="25f64e3",
+                        help="a commit whose trees grew level by level (25f64e3: the last)")
     parser.add_argument("--mode", choices=("eager", "compiled"), default="eager")
     parser.add_argument("--prompts", type=int, default=12)
     args = parser.parse_args()

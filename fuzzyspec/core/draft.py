@@ -41,40 +41,69 @@ class Budget:
 
 
 @dataclass
+class GrownShape:
+    """A draft tree's shape on the device, for a tree grown there (``Draft.grown``): ``parents`` [n] (-1: a child of
+    the root), ``ancestors`` [n, n] bool (entry (i, j): node j is node i or one of its ancestors), ``depths`` [n]
+    (1 for the root's children), and ``breadth``, the most children a node may have."""
+
+    parents: Tensor
+    ancestors: Tensor
+    depths: Tensor
+    breadth: int
+
+
+@dataclass
 class Draft:
     """Drafted tokens, as a tree hanging below the newest token of the sequence (the root).
 
     ``tokens`` [n]: target ids, on the drafter's device. ``parents`` [n]: -1 for a child of the root, else
     an earlier node (parents[i] < i); the tree's shape is host metadata, kept on the CPU (copied there if
-    given on another device), so the engine reads it without waiting for the device. ``q`` [n + 1, N]:
-    row 0 is the draft distribution the root's children came from, row i + 1 node i's (zeros where a node
-    was not expanded); None when every token was chosen with certainty (a point mass on it: prompt
-    lookup), which the rules use without building it. ``logits`` [n + 1, N]: the raw logits behind q (None
-    with q). ``vocab``: the reduced draft vocabulary of q's N columns (None: N is the target's V).
-    ``sampled``: children were drawn from q (chains under sampling: SD's min(1, p/q) test applies); otherwise they were
-    picked deterministically (argmax, top-k, lookup), which the rules treat as point masses. ``planned``: the draft is
-    the one the row's draft size was planned for; False for one proposed beside it (a copy from the text so far,
-    ``drafters.lookup.CopyFirst``), whose cost and acceptance say nothing of the planned drafter's, so the engine
-    counts neither toward the sizes it plans.
+    given on another device), so the engine reads it without waiting for the device. A tree grown on the device
+    gives its shape there instead (``grown``, and ``parents`` None): the engine lays out its verification from it
+    there, and the shape comes to the host with the step's outcome, in the step's one read (``learn_shape``).
+    ``q`` [n + 1, N]: row 0 is the draft distribution the root's children came from, row i + 1 node i's (zeros where a
+    node was not expanded); None when every token was chosen with certainty (a point mass on it: prompt lookup), which
+    the rules use without building it. ``logits`` [n + 1, N]: the raw logits behind q (None with q). ``vocab``: the
+    reduced draft vocabulary of q's N columns (None: N is the target's V). ``sampled``: children were drawn from q
+    (chains under sampling: SD's min(1, p/q) test applies); otherwise they were picked deterministically (argmax, top-k,
+    lookup), which the rules treat as point masses. ``planned``: the draft is the one the row's draft size was planned
+    for; False for one proposed beside it (a copy from the text so far, ``drafters.lookup.CopyFirst``), whose cost and
+    acceptance say nothing of the planned drafter's, so the engine counts neither toward the sizes it plans.
     """
 
     tokens: Tensor
-    parents: Tensor
+    parents: Tensor | None
     q: Tensor | None = None
     logits: Tensor | None = None
     vocab: DraftVocab | None = None
     sampled: bool = False
     planned: bool = True
+    grown: "GrownShape | None" = None  # a tree's shape on the device, for a tree grown there (``parents`` None)
     is_chain: bool = field(init=False)  # one child per node
-    parent_ids: list[int] = field(init=False, repr=False)  # ``parents`` as a list, read once
+    parent_ids: list[int] | None = field(init=False, repr=False)  # ``parents`` as a list, read once (None: not yet)
 
     def __post_init__(self) -> None:
+        if self.parents is None:
+            if self.grown is None:
+                raise ValueError("a draft tree needs its parents, on the host or (grown) on the device")
+            self.parent_ids, self.is_chain = None, False
+            return
+        self.learn_shape(self.parents.cpu().tolist() if self.parents.dim() == 1 else [])
+
+    def learn_shape(self, parent_ids: list[int]) -> None:
+        """The tree's parents, on the host: given, or read from the device (a tree grown there)."""
         n = self.tokens.shape[0]
-        self.parents = self.parents.cpu()
-        self.parent_ids = self.parents.tolist() if self.parents.dim() == 1 else []
-        if self.parents.shape != (n,) or any(parent >= i for i, parent in enumerate(self.parent_ids)):
+        if len(parent_ids) != n or any(parent >= i for i, parent in enumerate(parent_ids)):
             raise ValueError("a draft tree needs one parent per node, each parent numbered before its child")
-        self.is_chain = self.parent_ids == list(range(-1, n - 1))
+        self.parents = torch.tensor(parent_ids, dtype=torch.long)
+        self.parent_ids = parent_ids
+        self.is_chain = self.grown is None and parent_ids == list(range(-1, n - 1))
+
+    def read_shape(self) -> None:
+        """Bring a tree grown on the device's shape to the host now (a read of the device), where it is needed
+        before the step's outcome is read."""
+        if self.parent_ids is None:
+            self.learn_shape(self.grown.parents.tolist())
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

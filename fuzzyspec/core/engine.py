@@ -568,6 +568,7 @@ class Engine:
         tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         depths = torch.zeros(rows, width, dtype=torch.long)
         tree = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # padding sees itself
+        grown = []  # (row, draft) of trees grown on the device: their shapes are written there
         for b, draft in drafts.items():
             row, n = self.slots[b], sizes[b]
             tokens[b, 0] = row.sequence[0, -1]
@@ -577,16 +578,23 @@ class Engine:
                 if draft.is_chain:
                     tree[b, : 1 + n, : 1 + n] = torch.ones(1 + n, 1 + n, dtype=torch.bool).tril()
                     depths[b, : 1 + n] = torch.arange(1 + n)
+                elif draft.grown is not None:
+                    grown.append((b, draft))
                 else:
                     tree[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
                     depths[b, 1: 1 + n] = torch.tensor(draft.depths)
+        tree, depths = upload(tree, self.device), upload(depths, self.device)
+        for b, draft in grown:
+            n = sizes[b]
+            tree[b, 1: 1 + n, 1: 1 + n] = draft.grown.ancestors
+            depths[b, 1: 1 + n] = draft.grown.depths
         readers = {b for b in drafts if self.slots[b].drafter is not None and self.slots[b].drafter.wants_target_features}
         features = self._feature_layers([self.slots[b].drafter for b in readers])
         starts_list = self.cache.lengths[:rows]
         starts = upload(starts_list, self.device, torch.long)
-        mask = attention_mask(starts, upload(tree, self.device), self.cache.capacity)
+        mask = attention_mask(starts, tree, self.cache.capacity)
         mark = self.timer.start()
-        logits, found = self.step_fn(self.cache, tokens, starts[:, None] + upload(depths, self.device),
+        logits, found = self.step_fn(self.cache, tokens, starts[:, None] + depths,
                                      write_positions(starts, width), mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
         if not self.step_fn.compiling:  # a compilation's seconds would price this width out for good

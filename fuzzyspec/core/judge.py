@@ -3,7 +3,8 @@
 ``judge`` applies the row's rule (``rules`` on chains, vectorised; ``tree_rules`` on trees) and
 computes the divergence D only where a fuzzy rule reads it. It answers in two halves (``Pending``): what
 the rule computed, still on the device, and how to finish the verdict once those values are on the host,
-so that the engine reads every row's outcome in one transfer per step. Chains under every rule, rows
+so that the engine reads every row's outcome in one transfer per step (with the shape of a tree grown on the
+device, ``Draft.grown``, which the host has not seen before). Chains under every rule, rows
 with no drafts, and ``sd`` trees (greedy, or sampled with every row's test decided at once) need nothing
 else from the device; fuzzy tree walks read the device as they go (at most once per level), because they
 compute D only at the rows they visit: on a CPU, D at every row of a 16-node tree would cost more than the
@@ -73,14 +74,14 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
         if n == 0:
             return Pending(ahead[:1], next_token_only)
         known = ahead.shape[0]
-        proposed = n if draft.is_chain else max(draft.depths)
 
         def finish_greedy(values: list[int]) -> Verdict:
+            values = _learn_shape(draft, values)
             drafted, ahead = values[known:], values[:known]
             path, token = walk(rule, draft, logits, None, config.threshold, True, tokens=drafted, argmax=ahead)
-            return Verdict(path, token, proposed, None, drafted)
+            return Verdict(path, token, n if draft.is_chain else max(draft.depths), None, drafted)
 
-        return Pending(torch.cat([ahead, draft.tokens]).long(), finish_greedy)
+        return Pending(_with_shape(draft, torch.cat([ahead, draft.tokens]).long()), finish_greedy)
     fuzzy = rule in FUZZY
     p = sampling.probs(logits)
     if n == 0:
@@ -95,18 +96,20 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
                                       config.threshold, sampling.greedy, generator)
         values = torch.cat([accepted.view(1), token.view(1), draft.tokens]).long()
         return Pending(values, lambda values: Verdict(list(range(values[0])), values[1], n, d, values[2:]))
-    depth = max(draft.depths)
     if rule == "sd":  # one read: every row's test decided at once
         decisions = decide_exactly(draft, p, generator)
         known = decisions.shape[0]
 
         def finish(values: list[int]) -> Verdict:
+            values = _learn_shape(draft, values)
             drafted = values[known:]
             path, token = walk(rule, draft, p, None, config.threshold, False, tokens=drafted,
                                decisions=values[:known])
-            return Verdict(path, token, depth, None, drafted)
+            return Verdict(path, token, max(draft.depths), None, drafted)
 
-        return Pending(torch.cat([decisions, draft.tokens]).long(), finish)
+        return Pending(_with_shape(draft, torch.cat([decisions, draft.tokens]).long()), finish)
+    draft.read_shape()  # (a fuzzy walk reads the device as it goes)
+    depth = max(draft.depths)
     lazy = None
     if fuzzy:
         if draft.q is None:
@@ -116,6 +119,20 @@ def judge(config: DecodeConfig, draft: Draft | None, logits: Tensor, generator: 
     path, token = walk(rule, draft, p, lazy, config.threshold, sampling.greedy, generator, tokens=drafted)
     verdict = Verdict(path, token, depth, lazy.computed() if lazy is not None else None, drafted)
     return Pending(draft.tokens.new_zeros(0), lambda values: verdict)
+
+
+def _with_shape(draft: Draft, values: Tensor) -> Tensor:
+    """``values``, and after them the parents of a tree grown on the device whose shape the host has not read."""
+    return values if draft.parent_ids is not None else torch.cat([values, draft.grown.parents])
+
+
+def _learn_shape(draft: Draft, values: list[int]) -> list[int]:
+    """``values`` as ``_with_shape`` sent them, less the tree's parents, which the draft learns."""
+    if draft.parent_ids is not None:
+        return values
+    n = len(draft)
+    draft.learn_shape(values[-n:])
+    return values[:-n]
 
 
 class _TreeDivergences:

@@ -113,11 +113,27 @@ def kids_matrix(tree: Draft) -> Tensor:
     return torch.tensor([kids + [-1] * (width - len(kids)) for kids in children], dtype=torch.long)
 
 
+def kids_on_device(parents: Tensor, breadth: int) -> Tensor:
+    """``kids_matrix`` of a tree whose ``parents`` [n] are on the device (a tree grown there), made there: [n + 1,
+    ``breadth``], the most children a node may have."""
+    n = parents.shape[0]
+    rows = parents + 1
+    # a node's place among its parent's children: how many earlier nodes share its parent
+    same = torch.nn.functional.one_hot(rows, n + 1)
+    place = (same.cumsum(0) * same).sum(1) - 1
+    kids = torch.full((n + 1, breadth), -1, dtype=torch.long, device=parents.device)
+    kids[rows, place] = torch.arange(n, device=parents.device)
+    return kids
+
+
 def decide_exactly(tree: Draft, p: Tensor, generator: torch.Generator | None) -> Tensor:
     """The exact test at every row of ``tree`` at once, on the device: [2 (n + 1)], the accepted child's
     position at each row (-1: none), then the token drawn from the row's residual (what is emitted there if
     none is accepted; at a leaf, a draw from p). ``walk`` follows them from the root."""
-    kids = upload(kids_matrix(tree), p.device)
+    # (a tree grown on the device: its children made there, whether or not the host has read its shape, so that
+    # every rule that tests them draws the same random numbers)
+    kids = upload(kids_matrix(tree), p.device) if tree.grown is None else kids_on_device(tree.grown.parents,
+                                                                                          tree.grown.breadth)
     kid_tokens = torch.where(kids >= 0, tree.tokens[kids.clamp(min=0)], -1)
     choice, residual = exact_tests(p, kid_tokens, generator)
     return torch.cat([choice, sample(residual, generator)])

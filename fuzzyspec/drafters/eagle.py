@@ -2,7 +2,9 @@
 target's features."""
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -10,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..core.draft import BaseDrafter, Budget, Draft
+from ..core.draft import BaseDrafter, Budget, Draft, GrownShape
 from ..core.host import upload
 from ..core.kvcache import common_prefix, crop_to
 from ..core.sampling import Sampling
@@ -159,13 +161,14 @@ class EagleDrafter(BaseDrafter):
         """An EAGLE-2 dynamic tree below the newest token (see the class docstring); its nodes' distributions
         kept where ``distributions`` (the rule reads them).
 
-        It grows on the device: which nodes each level expands, and their children, are chosen there, and the
-        whole tree is read once, at the end (a read at every level waited for the device at every head call, and
-        on a GPU a read is a wait for everything queued). So every level expands ``top_k`` nodes and gives each
-        ``top_k`` children, in a fixed layout: the root's children are nodes 0 .. k - 1, and level l's children
-        (l = 2 .. depth) come k x k at a time, expanded node by expanded node, likeliest child first. A child of
-        probability 0 (a sampling filter's) gets the score -inf: it is never kept, nor expanded but to fill a
-        level, and its children are -inf too."""
+        It is grown on the device and not read there: which nodes each level expands and their children, then the
+        nodes kept and the tree's shape (``GrownShape``), from which the engine lays out the verification there;
+        the shape reaches the host with the step's outcome, in the step's one read. (A read at every level waited
+        for every head call in turn, and on a GPU a read waits for everything queued.) So every level expands
+        ``top_k`` nodes and gives each ``top_k`` children, in a fixed layout (``_layout``): the root's children are
+        nodes 0 .. k - 1, and level l's children (l = 2 .. depth) come k x k at a time, expanded node by expanded
+        node, likeliest child first. A child of probability 0 (a sampling filter's) gets the score -inf, and so do
+        its children; under a filter, how many nodes are left is read, so that none of them is kept."""
         total, max_depth, top_k = shape
         device = root_hidden.device
         base = self.cache.get_seq_length()  # head positions from true features; tree nodes go after them
@@ -204,39 +207,71 @@ class EagleDrafter(BaseDrafter):
             found_scores.append(scores)
             found_tokens.append(tokens)
         crop_to(self.cache, base)  # tree positions were computed from predictions: drop them
-        # the tree's one read: every node's score and token, and which of its frontier each level expanded (their
-        # children come k x k after the root's, row by row: so each node's parent)
-        read = torch.cat([torch.cat(found_scores), torch.cat(found_tokens).double(), *(
-            [torch.cat(expanded).double()] if expanded else [])]).tolist()
         count = k + (max_depth - 1) * k * k
-        node_scores, node_tokens = read[:count], read[count: 2 * count]
-        frontiers = [0] + [k + k * k * level for level in range(max_depth - 2)]  # where each level's frontier began
-        expanded_nodes = [frontiers[i // k] + int(node) for i, node in enumerate(read[2 * count:])]
-        depth = [1] * k + [2 + (node - k) // (k * k) for node in range(k, count)]
-        node_parents = [-1] * k + [expanded_nodes[(node - k) // k] for node in range(k, count)]
-        row_of = {node: 1 + row for row, node in enumerate(expanded_nodes)}  # an expanded node's row of level_q
+        n = min(total, count)
+        tokens = torch.cat(found_tokens)
+        blank = sum(map(len, level_q))  # (the row of zeros, a leaf's q, after every pass's)
 
-        kept = sorted((node for node in range(count) if node_scores[node] > -math.inf),
-                      key=lambda node: -node_scores[node])[:total]
-        kept_set = set(kept)
-        for node in list(kept):  # ties aside a child never outranks its parent; make sure anyway
-            while node_parents[node] >= 0 and node_parents[node] not in kept_set:
-                node = node_parents[node]
-                kept_set.add(node)
-        order = sorted(sorted(kept_set), key=lambda node: (depth[node], -node_scores[node]))
-        new_index = {node: i for i, node in enumerate(order)}
-        tokens_kept = upload([int(node_tokens[node]) for node in order], device)
-        parents_kept = torch.tensor([new_index.get(node_parents[node], -1) for node in order])
+        def kept(rows: Tensor) -> tuple[Tensor, Tensor]:
+            """The q and logits rows ``rows`` of the passes' (a leaf's: zeros), gathered at once."""
+            zeros = root_q.new_zeros(1, root_q.shape[-1])
+            return tuple(torch.cat([*found, zeros]).float().index_select(0, rows) for found in (level_q, level_logits))
+
+        if k == 1:  # a chain, the head's likeliest token at each level (none of probability 0): its shape is known
+            parents = torch.arange(-1, n - 1)
+            if not distributions:
+                return Draft(tokens[:n], parents, vocab=self.vocab)
+            rows = upload([0] + [1 + node if node < max_depth - 1 else blank for node in range(n)], device)
+            return Draft(tokens[:n], parents, *kept(rows), self.vocab, sampled=False)
+        scores = torch.cat(found_scores)
+        if sampling.top_k or sampling.top_p < 1:  # a filter may leave children of probability 0: they are not kept
+            n = min(n, int((scores > -math.inf).sum()))  # (a read of the device, for such rows alone)
+        # The likeliest n nodes (ties: the earlier drafted). No child is likelier than its parent, which was drafted
+        # before it, so they hold their ancestors. Laid out by depth, then likelihood.
+        layout = _layout(k, max_depth, device)
+        ranked = scores.sort(descending=True, stable=True).indices[:n]
+        order = ranked[layout.depth[ranked].sort(stable=True).indices]
+        if expanded:  # each level's expanded nodes, as nodes, and each node's parent
+            expanded_nodes = layout.frontier + torch.cat(expanded)
+            parents_of = torch.where(layout.depth == 1, -1, expanded_nodes[layout.parent])[order]
+        else:  # (one level: the root's children)
+            expanded_nodes, parents_of = layout.frontier, torch.full((n,), -1, dtype=torch.long, device=device)
+        place = torch.full((count,), -1, dtype=torch.long, device=device)
+        place[order] = torch.arange(n, device=device)
+        parents = torch.where(parents_of >= 0, place[parents_of.clamp(min=0)], -1)
+        ancestors = torch.eye(n, dtype=torch.bool, device=device)
+        has_parent = (parents >= 0)[:, None]
+        for _ in range(max_depth - 1):  # (each pass adds the ancestors one step further up)
+            ancestors = ancestors | (ancestors[parents.clamp(min=0)] & has_parent)
+        grown = GrownShape(parents, ancestors, layout.depth[order], k)
         if not distributions:
-            return Draft(tokens_kept, parents_kept, vocab=self.vocab)
-        # each kept node's row (a leaf's: zeros, after the last level), gathered at once rather than copied one by one
-        blank = sum(map(len, level_q))
-        rows = upload([0] + [row_of.get(node, blank) for node in order], root_q.device)
-        zeros = root_q.new_zeros(1, root_q.shape[-1])
-        q = torch.cat([*level_q, zeros]).float().index_select(0, rows)
-        logits = torch.cat([*level_logits, zeros]).float().index_select(0, rows)
-        return Draft(tokens_kept, parents_kept, q, logits, self.vocab, sampled=False)
+            return Draft(tokens[order], None, vocab=self.vocab, grown=grown)
+        row_of = torch.full((count,), blank, dtype=torch.long, device=device)  # an expanded node's row of level_q
+        row_of[expanded_nodes] = torch.arange(1, 1 + expanded_nodes.shape[0], device=device)
+        rows = torch.cat([row_of.new_zeros(1), row_of[order]])
+        return Draft(tokens[order], None, *kept(rows), self.vocab, sampled=False, grown=grown)
 
     def _target_ids(self, ids: Tensor) -> Tensor:
         """Draft ids (of the head's logits) as target ids."""
         return self.vocab.to_target(ids) if self.vocab is not None else ids
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each node of an EAGLE-2 tree grown on the device sits (``EagleDrafter._tree``), for trees of k children a
+    node and ``depth`` levels: each node's ``depth`` [count]; its ``parent`` [count], as the place among the levels'
+    expanded nodes (as they are listed, k a level) of the one it hangs from (0 for the root's children); and where
+    the frontier each expanded node was chosen from begins (``frontier`` [(depth - 1) k])."""
+
+    depth: Tensor
+    parent: Tensor
+    frontier: Tensor
+
+
+@functools.cache
+def _layout(k: int, depth: int, device: torch.device) -> _Layout:
+    count = k + (depth - 1) * k * k
+    depths = [1] * k + [2 + (node - k) // (k * k) for node in range(k, count)]
+    parents = [0] * k + [(node - k) // k for node in range(k, count)]
+    frontiers = [k + k * k * (level - 1) if level else 0 for level in range(depth - 1) for _ in range(k)]
+    return _Layout(*(torch.tensor(values, dtype=torch.long, device=device) for values in (depths, parents, frontiers)))

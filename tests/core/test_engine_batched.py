@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_llama
 from fuzzyspec.core.config import DecodeConfig
-from fuzzyspec.core.draft import Draft
+from fuzzyspec.core.draft import Draft, GrownShape
 from fuzzyspec.core import engine as engine_module
 from fuzzyspec.core.engine import Engine, Job, decode, decode_batch, target_features
 from fuzzyspec.core.step import LlamaForward, TargetStep
@@ -349,8 +349,8 @@ class DeviceReads:
 
 def test_a_step_reads_the_device_once(target, draft, head, monkeypatch):
     """The hot loop waits for the device once per step, for every row's outcome together: AR rows, chains
-    under every rule (greedy and sampled) and sd trees (greedy and sampled). A tree's drafting reads once more,
-    when the whole tree is grown (``EagleDrafter._tree``)."""
+    under every rule (greedy and sampled) and sd trees (greedy and sampled). A tree is grown on the device
+    (``EagleDrafter._tree``) and its shape read with the outcome."""
     rows = [("ar", DecodeConfig(method="ar", max_new_tokens=200)),
             ("draft", DecodeConfig(method="sd", gamma=4, max_new_tokens=200)),
             ("draft", DecodeConfig(method="sd", gamma=3, max_new_tokens=200, seed=1, sampling=Sampling(temperature=1.0))),
@@ -372,7 +372,8 @@ def test_a_step_reads_the_device_once(target, draft, head, monkeypatch):
     # core/draft.py reads a draft's shape, which lives on the CPU by construction
     assert reads.count("fuzzyspec/core/", "fuzzyspec/drafters/model.py") - reads.count("fuzzyspec/core/draft.py") \
         == steps, reads.by_file
-    assert reads.count("fuzzyspec/drafters/eagle.py") == 2 * steps, reads.by_file  # one per tree
+    # (a tree is grown on the device, and its shape read with the step's outcome)
+    assert reads.count("fuzzyspec/drafters/eagle.py") == 0, reads.by_file
 
 
 def test_drafts_keep_their_shape_on_the_host():
@@ -384,3 +385,13 @@ def test_drafts_keep_their_shape_on_the_host():
     assert tree.ranks([1]) == [2] and tree.ranks([0, 2]) == [1, 1] and draft.ranks([0, 1, 2]) == [1, 1, 1]
     with pytest.raises(ValueError, match="parent"):
         Draft(torch.tensor([3, 4]), torch.tensor([-1, 1]))
+    # a tree grown on the device: its shape is there until the step's outcome brings it (a chain shaped one stays a
+    # tree, as it was laid out and judged)
+    parents = torch.tensor([-1, 0, 1])
+    grown = Draft(torch.tensor([3, 4, 5]), None, grown=GrownShape(parents, torch.ones(3, 3).tril().bool(),
+                                                                   torch.tensor([1, 2, 3]), 2))
+    assert grown.parent_ids is None and not grown.is_chain
+    grown.learn_shape(parents.tolist())
+    assert grown.depths == [1, 2, 3] and grown.ancestors().equal(grown.grown.ancestors) and not grown.is_chain
+    with pytest.raises(ValueError, match="parents"):
+        Draft(torch.tensor([3, 4]), None)

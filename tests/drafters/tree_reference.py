@@ -72,13 +72,19 @@ def tree_level_by_level(drafter, sequence, shape, sampling):
 
 def assert_grown_as_the_reference(make_drafter, prompt, features, shape, sampling):
     """Two drafters from ``make_drafter``, fed the same true ``features`` of ``prompt``: one's tree proposal, grown on
-    the device, has the reference's tokens, parents and distributions, and leaves its head's cache as long."""
+    the device, has the reference's tokens, parents and distributions (its shape on the device agreeing with its
+    parents), and leaves its head's cache as long."""
     drafters = [make_drafter(), make_drafter()]
     for drafter in drafters:
         drafter.reset()
         drafter.observe(0, features)
     grown = drafters[0].propose(prompt, Budget(tokens=shape[1], tree=shape), sampling, None)
     tokens, parents, q = tree_level_by_level(drafters[1], prompt, shape, sampling)
+    if grown.grown is not None:  # its shape on the device, read here, is the one the layout there was made from
+        on_device = grown.grown
+        grown.read_shape()
+        assert on_device.ancestors.tolist() == grown.ancestors().tolist(), (shape, sampling)
+        assert on_device.depths.tolist() == grown.depths and on_device.breadth == shape[2]
     assert grown.tokens.tolist() == tokens and grown.parents.tolist() == parents, (shape, sampling)
     assert torch.allclose(grown.q, q, atol=1e-6), (shape, sampling)
     assert drafters[0].cache.get_seq_length() == drafters[1].cache.get_seq_length()
