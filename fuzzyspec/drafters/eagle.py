@@ -217,32 +217,30 @@ class EagleDrafter(BaseDrafter):
             zeros = root_q.new_zeros(1, root_q.shape[-1])
             return tuple(torch.cat([*found, zeros]).float().index_select(0, rows) for found in (level_q, level_logits))
 
-        if k == 1:  # a chain, the head's likeliest token at each level (none of probability 0): its shape is known
-            parents = torch.arange(-1, n - 1)
+        scores = torch.cat(found_scores)
+        if k > 1 and (sampling.top_k or sampling.top_p < 1):  # a filter may leave children of probability 0: not kept
+            n = min(n, int((scores > -math.inf).sum()))  # (a read of the device, for such rows alone)
+        if k == 1 or max_depth == 1:  # a chain of the likeliest tokens, or the root's likeliest children: a known shape
+            parents = torch.arange(-1, n - 1) if k == 1 else torch.full((n,), -1)
             if not distributions:
                 return Draft(tokens[:n], parents, vocab=self.vocab)
-            rows = upload([0] + [1 + node if node < max_depth - 1 else blank for node in range(n)], device)
+            rows = upload([0] + [1 + node if k == 1 and node < max_depth - 1 else blank for node in range(n)], device)
             return Draft(tokens[:n], parents, *kept(rows), self.vocab, sampled=False)
-        scores = torch.cat(found_scores)
-        if sampling.top_k or sampling.top_p < 1:  # a filter may leave children of probability 0: they are not kept
-            n = min(n, int((scores > -math.inf).sum()))  # (a read of the device, for such rows alone)
         # The likeliest n nodes (ties: the earlier drafted). No child is likelier than its parent, which was drafted
         # before it, so they hold their ancestors. Laid out by depth, then likelihood.
         layout = _layout(k, max_depth, device)
         ranked = scores.sort(descending=True, stable=True).indices[:n]
         order = ranked[layout.depth[ranked].sort(stable=True).indices]
-        if expanded:  # each level's expanded nodes, as nodes, and each node's parent
-            expanded_nodes = layout.frontier + torch.cat(expanded)
-            parents_of = torch.where(layout.depth == 1, -1, expanded_nodes[layout.parent])[order]
-        else:  # (one level: the root's children)
-            expanded_nodes, parents_of = layout.frontier, torch.full((n,), -1, dtype=torch.long, device=device)
-        place = torch.full((count,), -1, dtype=torch.long, device=device)
-        place[order] = torch.arange(n, device=device)
-        parents = torch.where(parents_of >= 0, place[parents_of.clamp(min=0)], -1)
-        ancestors = torch.eye(n, dtype=torch.bool, device=device)
-        has_parent = (parents >= 0)[:, None]
-        for _ in range(max_depth - 1):  # (each pass adds the ancestors one step further up)
-            ancestors = ancestors | (ancestors[parents.clamp(min=0)] & has_parent)
+        expanded_nodes = layout.frontier + torch.cat(expanded)  # each level's expanded nodes, as nodes
+        # each node's parent, as a node (the root's children: ``count``, a node past the tree, its own parent)
+        up = torch.cat([torch.where(layout.top, count, expanded_nodes[layout.parent]), layout.past])
+        lines = [order]
+        for _ in range(max_depth - 1):
+            lines.append(up[lines[-1]])
+        lineage = torch.stack(lines, 1)  # [n, depth]: each kept node, its parent, its parent's, ...
+        ancestors = (lineage[:, :, None] == order).any(1)
+        is_parent = lineage[:, 1:2] == order
+        parents = torch.where(is_parent.any(1), is_parent.int().argmax(1), -1)
         grown = GrownShape(parents, ancestors, layout.depth[order], k)
         if not distributions:
             return Draft(tokens[order], None, vocab=self.vocab, grown=grown)
@@ -259,13 +257,16 @@ class EagleDrafter(BaseDrafter):
 @dataclass(frozen=True)
 class _Layout:
     """Where each node of an EAGLE-2 tree grown on the device sits (``EagleDrafter._tree``), for trees of k children a
-    node and ``depth`` levels: each node's ``depth`` [count]; its ``parent`` [count], as the place among the levels'
-    expanded nodes (as they are listed, k a level) of the one it hangs from (0 for the root's children); and where
-    the frontier each expanded node was chosen from begins (``frontier`` [(depth - 1) k])."""
+    node and ``depth`` levels: each node's ``depth`` [count], and whether it is a child of the root (``top``); its
+    ``parent`` [count], as the place among the levels' expanded nodes (as they are listed, k a level) of the one it
+    hangs from (0 for the root's children); where the frontier each expanded node was chosen from begins
+    (``frontier`` [(depth - 1) k]); and ``past`` ([count]: the node past the tree's, which stands for the root)."""
 
     depth: Tensor
+    top: Tensor
     parent: Tensor
     frontier: Tensor
+    past: Tensor
 
 
 @functools.cache
@@ -274,4 +275,5 @@ def _layout(k: int, depth: int, device: torch.device) -> _Layout:
     depths = [1] * k + [2 + (node - k) // (k * k) for node in range(k, count)]
     parents = [0] * k + [(node - k) // k for node in range(k, count)]
     frontiers = [k + k * k * (level - 1) if level else 0 for level in range(depth - 1) for _ in range(k)]
-    return _Layout(*(torch.tensor(values, dtype=torch.long, device=device) for values in (depths, parents, frontiers)))
+    made = [torch.tensor(values, dtype=torch.long, device=device) for values in (depths, parents, frontiers, [count])]
+    return _Layout(made[0], made[0] == 1, *made[1:])
