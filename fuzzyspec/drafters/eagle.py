@@ -184,16 +184,18 @@ class EagleDrafter(BaseDrafter):
         hidden = root_hidden[0, -1].expand(k, -1)  # the hidden state each frontier node's parent left
         own = torch.eye(k, dtype=torch.bool, device=device)
         seen = own  # which of the tree's positions in the head's cache each node expanded last saw (itself included)
+        layout = _layout(k, max_depth, device)
         for level in range(2, max_depth + 1):
             # The likeliest k of the frontier (ties: the earlier drafted), fed to the head at once: each sees the true
             # positions, and of the tree's, the expanded nodes above it (its parent's row of ``seen``) and itself.
-            chosen = scores.sort(descending=True, stable=True).indices[:k]
-            if level > 2:  # (the root's children all hang from the root; deeper nodes from the last pass's rows)
+            if level > 2:  # (deeper nodes hang from the last pass's rows)
+                chosen = scores.sort(descending=True, stable=True).indices[:k]
                 parent_row = chosen // k
                 seen, features = torch.cat([seen[parent_row], own], 1), hidden[parent_row]
-            else:
-                features = hidden
-            hidden = self.step(self.cache, tokens[chosen][None], features[None],
+                expanding = tokens[chosen]
+            else:  # (the root's k children, likeliest first already, all hang from the root)
+                chosen, features, expanding = layout.first, hidden, tokens
+            hidden = self.step(self.cache, expanding[None], features[None],
                                upload([[base - 2 + level] * k], device), seen, compiled=self.compiled)[0]
             self.forwards += 1
             logits = self._logits(hidden)
@@ -201,7 +203,7 @@ class EagleDrafter(BaseDrafter):
             level_logits.append(logits)
             level_q.append(probs)
             values, ids = probs.topk(k)
-            scores = (scores[chosen][:, None] + values.double().log()).flatten()
+            scores = ((scores[chosen] if level > 2 else scores)[:, None] + values.double().log()).flatten()
             tokens = self._target_ids(ids).flatten()
             expanded.append(chosen)
             found_scores.append(scores)
@@ -228,7 +230,6 @@ class EagleDrafter(BaseDrafter):
             return Draft(tokens[:n], parents, *kept(rows), self.vocab, sampled=False)
         # The likeliest n nodes (ties: the earlier drafted). No child is likelier than its parent, which was drafted
         # before it, so they hold their ancestors. Laid out by depth, then likelihood.
-        layout = _layout(k, max_depth, device)
         ranked = scores.sort(descending=True, stable=True).indices[:n]
         order = ranked[layout.depth[ranked].sort(stable=True).indices]
         expanded_nodes = layout.frontier + torch.cat(expanded)  # each level's expanded nodes, as nodes
@@ -260,13 +261,15 @@ class _Layout:
     node and ``depth`` levels: each node's ``depth`` [count], and whether it is a child of the root (``top``); its
     ``parent`` [count], as the place among the levels' expanded nodes (as they are listed, k a level) of the one it
     hangs from (0 for the root's children); where the frontier each expanded node was chosen from begins
-    (``frontier`` [(depth - 1) k]); and ``past`` ([count]: the node past the tree's, which stands for the root)."""
+    (``frontier`` [(depth - 1) k]); ``past`` ([count]: the node past the tree's, which stands for the root); and
+    ``first`` (0 .. k - 1: the root's children, all of which the first level expands)."""
 
     depth: Tensor
     top: Tensor
     parent: Tensor
     frontier: Tensor
     past: Tensor
+    first: Tensor
 
 
 @functools.cache
@@ -275,5 +278,6 @@ def _layout(k: int, depth: int, device: torch.device) -> _Layout:
     depths = [1] * k + [2 + (node - k) // (k * k) for node in range(k, count)]
     parents = [0] * k + [(node - k) // k for node in range(k, count)]
     frontiers = [k + k * k * (level - 1) if level else 0 for level in range(depth - 1) for _ in range(k)]
-    made = [torch.tensor(values, dtype=torch.long, device=device) for values in (depths, parents, frontiers, [count])]
+    made = [torch.tensor(values, dtype=torch.long, device=device)
+            for values in (depths, parents, frontiers, [count], range(k))]
     return _Layout(made[0], made[0] == 1, *made[1:])
