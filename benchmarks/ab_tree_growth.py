@@ -3,8 +3,9 @@ at a time with a read of the device at each (the drafter's ``_tree`` at ``--befo
 turns, on the embedded pair with the shipped head: fixed tree shapes (``--gamma-schedule constant``), greedy exact SD.
 
 It prints, per variant and shape: tokens a second and x the first variant, the median time of a tree proposal (the
-drafter's ``propose``: the head's passes and the choices around them), and the device reads a proposal makes
-(``.tolist()``, ``.item()``, ``int()``, ``bool()`` and ``float()`` of a tensor, counted in the drafter's own module).
+drafter's ``propose``: the head's passes and the choices around them), and the device reads a proposal makes in the
+drafter's own module (``.tolist()``, ``.item()``, ``int()``, ``bool()`` and ``float()`` of a tensor; since d07ea20 a
+tree's shape stays on the device until the engine reads it with the step's outcome, so none).
 The answers must be the same tokens (greedy SD is the target's greedy output): it says so, or stops.
 
 Usage: python benchmarks/ab_tree_growth.py [--before 25f64e3] [--mode eager|compiled] [--prompts 12]
