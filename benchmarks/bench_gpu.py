@@ -112,22 +112,39 @@ class InductorHead:
 
 
 class AheadCounter:
-    """While entered, counts the engine's steps run one ahead (``Engine.lookahead``): a row held back from drafting
-    that runs ahead as often as AR's but slower is paying host time per step, one that runs ahead less is not held
-    back (2026-11-28: the default job at 0.79x AR on an H100, drafting nothing)."""
+    """While entered, counts the engine's steps run one ahead (``Engine.lookahead``), and times the steps that were
+    not (``other``, ``other_s``): a row held back from drafting that runs ahead as often as AR's but slower is paying
+    host time per step, one that runs ahead less is not held back, and a few steps that draft (the planner trying
+    a draft now and then) may cost many run-ahead steps' time each (2026-11-28: the default job at 0.79x AR on an
+    H100, drafting next to nothing)."""
 
     def __init__(self) -> None:
-        self.count, self.original = 0, engine_module.Engine._step_ahead
+        self.count, self.other, self.other_s = 0, 0, 0.0
+        self.original = engine_module.Engine._step_ahead, engine_module.Engine.step
 
     def __enter__(self) -> "AheadCounter":
+        step_ahead, step = self.original
+        ahead = [False]
+
         def counted(engine: engine_module.Engine):
             self.count += 1
-            return self.original(engine)
-        engine_module.Engine._step_ahead = counted
+            ahead[0] = True
+            return step_ahead(engine)
+
+        def timed(engine: engine_module.Engine):
+            ahead[0] = False
+            clock = time.perf_counter()
+            finished = step(engine)
+            if not ahead[0]:
+                self.other += 1
+                self.other_s += time.perf_counter() - clock
+            return finished
+
+        engine_module.Engine._step_ahead, engine_module.Engine.step = counted, timed
         return self
 
     def __exit__(self, *exc) -> None:
-        engine_module.Engine._step_ahead = self.original
+        engine_module.Engine._step_ahead, engine_module.Engine.step = self.original
 
 
 def host_profile(run: Callable[[], Any], count: int = 30) -> tuple[Any, str, list[str]]:
@@ -265,7 +282,8 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
               + f" (k=6: {curve[kind][6] / curve[kind][1]:.2f}x k=1)", flush=True)
     pairs = {label: ModelPair(pair.target, pair.tokenizer, pair.drafts[draft] if draft else None, steps[kind])
              for label, (kind, draft, _) in ROWS.items() if kind in steps}
-    results = {label: {"seconds": 0.0, "tokens": 0, "passes": 0, "ahead": 0, "warm_s": 0.0} for label in ROWS}
+    results = {label: {"seconds": 0.0, "tokens": 0, "passes": 0, "ahead": 0, "other": 0, "other_s": 0.0, "warm_s": 0.0}
+               for label in ROWS}
     failed = {label: "needs a GPU (inductor's CUDA graphs)" for label, (kind, _, options) in ROWS.items()
               if options is not None and kind not in steps}
 
@@ -319,6 +337,8 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
                 total["tokens"] += took[1]
                 total["passes"] += took[2]
                 total["ahead"] += ahead.count
+                total["other"] += ahead.other
+                total["other_s"] += ahead.other_s
         print(f"  [{name}] prompt {index + 1}/{len(encoded)} done", flush=True)
     # the acceptance step, timed with syncs on each side of it, in one more answer per drafting row
     accept_share = {}
@@ -343,6 +363,7 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             step_ms = 1000 * total["seconds"] / total["passes"]
             row.update(tokens_per_s=total["tokens"] / total["seconds"], ms_per_pass=step_ms,
                        tokens_per_pass=total["tokens"] / total["passes"], ahead_share=total["ahead"] / total["passes"],
+                       not_ahead=total["other"], not_ahead_share=total["other_s"] / total["seconds"],
                        ar_bandwidth_share=(1000 / step_ms) / limit if (ROWS[label][2] or {}).get("method") == "ar"
                        else None,
                        accept_share=accept_share.get(label))
@@ -397,6 +418,8 @@ def main() -> None:
             if "tokens_per_s" not in row:  # (the curve, printed above)
                 continue
             extra = f"  run ahead {100 * row['ahead_share']:3.0f}%"
+            if row["ahead_share"] > 0 and row["not_ahead"]:  # (the steps that were not: how many, and their time)
+                extra += f" ({row['not_ahead']} steps not, {100 * row['not_ahead_share']:.0f}% of the time)"
             if row["ar_bandwidth_share"] is not None:
                 extra += f"  {100 * row['ar_bandwidth_share']:.0f}% of the bandwidth limit"
             if row["accept_share"] is not None:
