@@ -17,15 +17,16 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), statistic / 2))
 
 
-def two_token_check(target, prompt: torch.Tensor, run, runs: int = 1500) -> tuple[float, int]:
+def two_token_check(target, prompt: torch.Tensor, run, runs: int = 1500, sampling=None) -> tuple[float, int]:
     """Decode two tokens ``runs`` times (``run(seed)`` -> (tokens [1, 2], stats)) and compare their joint
-    distribution with the target's own p(t1) p(t2 | t1) over its vocabulary: (chi-square p-value, drafts
-    accepted in all)."""
+    distribution with the target's own p(t1) p(t2 | t1) over its vocabulary, under ``sampling``'s processing
+    (default: the softmax alone): (chi-square p-value, drafts accepted in all)."""
     vocab = target.config.vocab_size
+    probs = sampling.probs if sampling is not None else (lambda logits: logits.softmax(-1))
     with torch.no_grad():
-        p1 = target(prompt).logits[0, -1].softmax(-1)
+        p1 = probs(target(prompt).logits[0, -1])
         following = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab).view(vocab, 1)], 1)
-        p2 = target(following).logits[:, -1].softmax(-1)
+        p2 = probs(target(following).logits[:, -1])
     counts, accepted = torch.zeros(vocab, vocab), 0
     for seed in range(runs):
         tokens, stats = run(seed)

@@ -121,6 +121,27 @@ def test_sampled_sd_on_eagle_trees_has_the_targets_distribution():
     assert p_value > 1e-3
 
 
+def test_sampled_sd_on_trees_under_a_top_k_filter_has_the_targets_distribution():
+    """As above, under a top-k filter narrower than the tree: each node's fourth child has probability 0 and is
+    left out (the tree reads how many nodes are left); the two tokens still have the target's filtered
+    distribution."""
+    target = tiny_llama(vocab_size=6, layers=4, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.1)
+    torch.manual_seed(0)
+    head = make_eagle3(target, DraftVocab(torch.arange(6), 6)).eval()
+    drafter = EagleDrafter(head, target, 6)
+    sampling = Sampling(temperature=1.0, top_k=3)
+    config = DecodeConfig(method="sd", tree=True, tree_depth=2, tree_top_k=4, tree_total_tokens=4,
+                          max_new_tokens=2, sampling=sampling)
+    prompt = torch.tensor([[1, 2, 3]])
+    p_value, accepted = two_token_check(
+        target, prompt, lambda seed: decode(target, drafter, prompt, dataclasses.replace(config, seed=seed), 6),
+        sampling=sampling)
+    assert 100 < accepted < 1400
+    assert p_value > 1e-3
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_hybrid_at_zero_is_sd_on_sampled_trees(target_model, seed):
     """fsd-hybrid at T = 0 on EAGLE-2 trees: the same text as sd under one seed (the same random numbers)."""
