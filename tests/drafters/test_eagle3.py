@@ -103,36 +103,20 @@ def test_greedy_sd_with_a_reduced_vocabulary_head_is_the_targets_output(target_m
         assert tokens.shape[1] == 12
 
 
-def test_sampled_sd_on_eagle_trees_has_the_targets_distribution():
+@pytest.mark.parametrize("top_k, children", [(0, 2), (3, 4)])
+def test_sampled_sd_on_eagle_trees_has_the_targets_distribution(top_k, children):
     """EAGLE-2 trees under sampled sd (every row's test decided on the device, the path followed after one
-    read): the joint distribution of two sampled tokens is the target's own (chi-square over 1,500 runs)."""
+    read): the joint distribution of two sampled tokens is the target's own (chi-square over 1,500 runs); and so
+    under a top-k filter narrower than the tree, where each node's last child has probability 0 and is left out
+    (the tree reads how many nodes are left): the target's filtered distribution."""
     target = tiny_llama(vocab_size=6, layers=4, seed=3)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.1)  # flatter distributions: every cell gets counts
     torch.manual_seed(0)
     head = make_eagle3(target, DraftVocab(torch.arange(6), 6)).eval()
     drafter = EagleDrafter(head, target, 6)
-    config = DecodeConfig(method="sd", tree=True, tree_depth=2, tree_top_k=2, tree_total_tokens=4,
-                          max_new_tokens=2, sampling=Sampling(temperature=1.0))
-    prompt = torch.tensor([[1, 2, 3]])
-    p_value, accepted = two_token_check(
-        target, prompt, lambda seed: decode(target, drafter, prompt, dataclasses.replace(config, seed=seed), 6))
-    assert 100 < accepted < 1400
-    assert p_value > 1e-3
-
-
-def test_sampled_sd_on_trees_under_a_top_k_filter_has_the_targets_distribution():
-    """As above, under a top-k filter narrower than the tree: each node's fourth child has probability 0 and is
-    left out (the tree reads how many nodes are left); the two tokens still have the target's filtered
-    distribution."""
-    target = tiny_llama(vocab_size=6, layers=4, seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.1)
-    torch.manual_seed(0)
-    head = make_eagle3(target, DraftVocab(torch.arange(6), 6)).eval()
-    drafter = EagleDrafter(head, target, 6)
-    sampling = Sampling(temperature=1.0, top_k=3)
-    config = DecodeConfig(method="sd", tree=True, tree_depth=2, tree_top_k=4, tree_total_tokens=4,
+    sampling = Sampling(temperature=1.0, top_k=top_k)
+    config = DecodeConfig(method="sd", tree=True, tree_depth=2, tree_top_k=children, tree_total_tokens=4,
                           max_new_tokens=2, sampling=sampling)
     prompt = torch.tensor([[1, 2, 3]])
     p_value, accepted = two_token_check(
