@@ -5,6 +5,7 @@
    T = inf equals the draft decoding alone; seeded sampling is reproducible.
 2. Compiled steps captured as CUDA graphs equal eager steps token for token (AR, chains, EAGLE trees; one
    row and two rows together; a longer row joining midway, so that the cache grows under the graphs).
+   ``waits``: an EAGLE tree step waits for the device once (``torch.cuda.set_sync_debug_mode``).
 3. An EAGLE row that the cost schedule holds back now and then (its steps then run ahead, as AR's do) gives AR's
    tokens; AR rows run ahead, the last slot's ending first, each get their tokens alone.
 4. Loading on ``device="cuda"`` and ``device="auto"`` (device_map="auto").
@@ -12,8 +13,8 @@
    random Llama in bfloat16 (random weights: only speed is meaningful here).
 
 Usage: python benchmarks/cuda_check.py [cuda|cpu] [PARTS], PARTS a comma-separated choice of correctness, compiled,
-held, loading, overhead (default: all, in that order; on the CPU, a smoke test of the script, the first three). On
-an H100 the first two took most of 170 s together (2026-11-28); each part prints its time.
+waits, held, loading, overhead (default: all, in that order; on the CPU, a smoke test of the script: correctness,
+compiled and held). On an H100 the first two took most of 170 s together (2026-11-28); each part prints its time.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import sys
 from dataclasses import replace
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -147,6 +149,33 @@ def compiled() -> None:
         check(f"{name}: batched == alone", runs["eager"][0] == runs["eager"][1])
 
 
+def waits() -> None:
+    """An EAGLE tree step through CUDA graphs waits for the device once, for its outcome: the tree is grown on the
+    device and its shape read with the outcome (``torch.cuda.set_sync_debug_mode`` warns at every wait)."""
+    if DEVICE == "cpu":
+        print("(a GPU's check: nothing waits on the CPU)")
+        return
+    target, head, logits, _, graphs = tiny_target()
+    engine = Engine(graphs, 256)
+    config = DecodeConfig(method="sd", tree=True, tree_total_tokens=12, tree_depth=4, gamma_schedule="constant",
+                          max_new_tokens=300)
+    engine.add(torch.tensor([list(range(3, 12))], device=DEVICE), config, EagleDrafter(head, target, 256, logits))
+    for _ in range(3):  # (the first steps compile and capture)
+        engine.step()
+    steps = 10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
+    check(f"an EAGLE tree step through CUDA graphs waits for the device once ({len(found)} waits in {steps} steps)",
+          len(found) == steps)
+
+
 def held() -> None:
     """An EAGLE row that the cost schedule holds back now and then (its steps then run ahead on a GPU, feeding the
     head the target's features) gives AR's tokens, eager and through CUDA graphs."""
@@ -218,8 +247,10 @@ def overhead() -> None:
 
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(0) if DEVICE != "cpu" else "cpu")
-    parts = {"correctness": correctness, "compiled": compiled, "held": held, "loading": loading, "overhead": overhead}
-    chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(parts) if DEVICE != "cpu" else list(parts)[:3]
+    parts = {"correctness": correctness, "compiled": compiled, "waits": waits, "held": held, "loading": loading,
+             "overhead": overhead}
+    chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(parts) if DEVICE != "cpu" else \
+        ["correctness", "compiled", "held"]
     unknown = [name for name in chosen if name not in parts]
     if unknown:
         sys.exit(f"cuda_check: unknown part(s) {', '.join(unknown)}; choose from {', '.join(parts)}")
