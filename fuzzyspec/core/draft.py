@@ -88,14 +88,17 @@ class Draft:
                 raise ValueError("a draft tree needs its parents, on the host or (grown) on the device")
             self.parent_ids, self.is_chain = None, False
             return
-        self.learn_shape(self.parents.cpu().tolist() if self.parents.dim() == 1 else [])
+        parents = self.parents.cpu()
+        self.learn_shape(parents.tolist() if parents.dim() == 1 else [], parents)
 
-    def learn_shape(self, parent_ids: list[int]) -> None:
-        """The tree's parents, on the host: given, or read from the device (a tree grown there)."""
+    def learn_shape(self, parent_ids: list[int], parents: Tensor | None = None) -> None:
+        """The tree's parents, on the host: given (``parents``, as a tensor too), or read from the device (a tree
+        grown there)."""
         n = self.tokens.shape[0]
-        if len(parent_ids) != n or any(parent >= i for i, parent in enumerate(parent_ids)):
+        if (parents is not None and parents.shape != (n,)) or len(parent_ids) != n or \
+                any(parent >= i for i, parent in enumerate(parent_ids)):
             raise ValueError("a draft tree needs one parent per node, each parent numbered before its child")
-        self.parents = torch.tensor(parent_ids, dtype=torch.long)
+        self.parents = parents if parents is not None else torch.tensor(parent_ids, dtype=torch.long)
         self.parent_ids = parent_ids
         self.is_chain = self.grown is None and parent_ids == list(range(-1, n - 1))
 
