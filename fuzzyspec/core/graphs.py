@@ -66,20 +66,39 @@ class Graphs:
     """A compiled step's calls, run through CUDA graphs captured per key and lasting addresses (see the module
     docstring)."""
 
-    def __init__(self, warm_up: bool = True) -> None:
+    def __init__(self, warm_up: bool = True, patience: int = 0) -> None:
         """``warm_up``: run a call once before capturing it (a compiled function compiles there); not for a call
-        that reads what it writes, which the capture's replay would then do twice."""
+        that reads what it writes, which the capture's replay would then do twice. ``patience``: how many calls of a
+        key (over the same lasting tensors) a caller makes its own way (``ready``) before one is captured."""
         self.warm_up = warm_up
+        self.patience = patience
         self.captured: dict[tuple, Captured] = {}
+        self.met: dict[tuple, int] = {}  # calls not captured yet, by address (``ready``)
+
+    @staticmethod
+    def _address(key: tuple, arguments: tuple) -> tuple[tuple, list[int], list[Tensor]]:
+        moving, kept = split(arguments)
+        # (shapes too: a cache of another size may be given a freed one's address)
+        address = (key, tuple(tensor.data_ptr() for tensor in kept), kept[0].shape if kept else None,
+                   tuple((arguments[place].shape, arguments[place].dtype) for place in moving))
+        return address, moving, kept
+
+    def ready(self, key: tuple, arguments: tuple) -> bool:
+        """Whether a call of ``key`` over ``arguments`` is to go through a graph: one is captured, or its key has
+        been met ``patience`` times (then this call captures it). A capture costs more than a call (a run to warm
+        up, a wait for the device, the graph's instantiation), which a shape met once or twice never repays: an
+        EAGLE-2 tree of a size the planner tries now and then."""
+        address = self._address(key, arguments)[0]
+        if address in self.captured:
+            return True
+        self.met[address] = self.met.get(address, 0) + 1
+        return self.met[address] > self.patience
 
     def __call__(self, key: tuple, function: Callable, arguments: tuple) -> tuple[Any, bool]:
         """``function(*arguments)``'s result, read from a replay, and whether this call captured a graph (and so
         compiled, or at least ran ``function`` twice: its time is not a step's). ``key``: what tells the compiled
         ``function``'s graphs apart (shapes, dtypes, Python values)."""
-        moving, kept = split(arguments)
-        # (shapes too: a cache of another size may be given a freed one's address)
-        address = (key, tuple(tensor.data_ptr() for tensor in kept), kept[0].shape if kept else None,
-                   tuple((arguments[place].shape, arguments[place].dtype) for place in moving))
+        address, moving, kept = self._address(key, arguments)
         captured = self.captured.get(address)
         fresh = captured is None
         if fresh:

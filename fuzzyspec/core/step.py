@@ -437,12 +437,14 @@ class Compiled:
         find no graph (something the key does not hold changed), dynamo refuses rather than guess, and the call
         runs fully checked."""
         if self.graphs is not None:
-            result, self.compiling = self.graphs(key, partial(self._checked, key), arguments)
+            result, self.compiling = self.graphs(key, partial(self.checked, key), arguments)
             return result
         self.compiling = key not in self.seen
-        return self._checked(key, *arguments)
+        return self.checked(key, *arguments)
 
-    def _checked(self, key: tuple, *arguments):
+    def checked(self, key: tuple, *arguments):
+        """The compiled function's result, never through a graph of this step's own (a call inside another
+        capture, ``HeadStep``'s in a tree's growth), its guards checked as ``__call__`` says."""
         seen = key in self.seen
         self.seen.add(key)
         try:

@@ -21,12 +21,14 @@ over a ``DraftCache``.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from ..core.graphs import Graphs
 from ..core.host import upload
 from ..core.kvcache import DraftCache, HeadCache
 from ..core.step import Compiled, Heads, decoder_layer, llama_layers, packed
@@ -76,6 +78,9 @@ class HeadStep:
         self._direct: dict[tuple, Callable] = {}
         self._preparing = False
         self._free: list[HeadCache] = []  # caches whose drafters are gone (``borrow_cache``)
+        # On a GPU, EAGLE-2 trees' whole growth, captured per shape and cache, from a shape's third growth on
+        # (``EagleDrafter._tree``)
+        self.trees = Graphs(patience=2) if self.graphs else None
 
     @staticmethod
     def supports(head: nn.Module) -> bool:
@@ -107,23 +112,30 @@ class HeadStep:
 
     @torch.inference_mode()
     def __call__(self, cache: HeadCache, tokens: Tensor, features: Tensor, positions: Tensor | None = None,
-                 allowed: Tensor | None = None, compiled: bool = False) -> Tensor:
-        width, start = tokens.shape[1], cache.length
+                 allowed: Tensor | None = None, compiled: bool = False, start: Tensor | None = None) -> Tensor:
+        """``start``: where the inputs are written, as a tensor on the device, for a call inside a captured CUDA
+        graph (a tree's growth, ``EagleDrafter._tree``), which must neither copy host data to the device nor
+        replay a graph of its own: its mask is made on the device, the compiled function is called directly, and
+        the cache's ``length`` is left as it is (the caller has made room). Needs ``allowed``."""
+        width = tokens.shape[1]
         padded = next((w for w in WIDTHS if w >= width), None) if compiled else None
         run = padded or width
-        cache.make_room(start + run)
         device = tokens.device
-        # Where each input may look, made on the host: the cache so far, then the tree's (or causal) part; a
-        # padding input sees itself alone, and is written past ``length``, where nothing reads it.
-        mask = torch.zeros(run, cache.capacity, dtype=torch.bool)
-        mask[:, :start] = True
-        mask[:, start: start + run] = torch.eye(run, dtype=torch.bool)
-        if allowed is None:
-            mask[:width, start: start + width] = torch.ones(width, width, dtype=torch.bool).tril()
-        mask = upload(mask, device)
-        if allowed is not None:  # (a tree level's, made on the device: written there, not read back)
-            mask[:width, start + width - allowed.shape[1]: start + width] = allowed
-        write = torch.arange(start, start + run, device=device)[None]
+        if start is None:
+            start = cache.length
+            cache.make_room(start + run)
+            # Where each input may look, made on the host: the cache so far, then the tree's (or causal) part; a
+            # padding input sees itself alone, and is written past ``length``, where nothing reads it.
+            mask = torch.zeros(run, cache.capacity, dtype=torch.bool)
+            mask[:, :start] = True
+            mask[:, start: start + run] = _own_part(run, width if allowed is None else 0)
+            mask = upload(mask, device)
+            if allowed is not None:  # (a tree level's, made on the device: written there, not read back)
+                mask[:width, start + width - allowed.shape[1]: start + width] = allowed
+            write = torch.arange(start, start + run, device=device)[None]
+        else:
+            write = start + torch.arange(run, device=device)[None]
+            mask = _mask_on_device(write, width, allowed, cache.capacity)
         if run > width:
             tokens = torch.cat([tokens, tokens.new_zeros(1, run - width)], 1)
             features = torch.cat([features, features.new_zeros(1, run - width, features.shape[2])], 1)
@@ -148,10 +160,14 @@ class HeadStep:
                 # doubled past the capacities compiled ahead, otherwise compiled anew inside its answer)
                 for tensor, dim in ((arguments[0], 2), (arguments[1], 2), (arguments[-1], 3)):
                     torch._dynamo.mark_dynamic(tensor, dim)
-                hidden = self._compiled((run, features.dtype), *arguments)
-            if self.graphs:  # the next replay overwrites it
-                hidden = hidden.clone()
-        cache.length = start + width
+                if isinstance(start, Tensor):  # (inside a capture: the compiled function, not a replay)
+                    hidden = self._compiled.checked((run, features.dtype), *arguments)
+                else:
+                    hidden = self._compiled((run, features.dtype), *arguments)
+                    if self.graphs:  # the next replay overwrites it
+                        hidden = hidden.clone()
+        if not isinstance(start, Tensor):
+            cache.length = start + width
         return hidden[:, :width]
 
     def _compile_direct(self, key: tuple, arguments: tuple) -> Callable | None:
@@ -194,6 +210,28 @@ class HeadStep:
                          compiled=True)
         finally:
             self._preparing = False
+
+
+@functools.lru_cache(maxsize=64)
+def _own_part(run: int, causal: int) -> Tensor:
+    """[run, run] bool: what a call's inputs see of each other, the first ``causal`` causally, the rest (padding,
+    or a tree level's nodes, whose mask the caller writes) themselves alone. Kept: on an H200 machine's host a
+    ``tril`` of it took 0.6 ms a call (2026-11-28)."""
+    part = torch.eye(run, dtype=torch.bool)
+    part[:causal, :causal] = torch.ones(causal, causal, dtype=torch.bool).tril()
+    return part
+
+
+def _mask_on_device(write: Tensor, width: int, allowed: Tensor, capacity: int) -> Tensor:
+    """The mask ``HeadStep`` makes on the host, made on the device from the write positions ``write`` [1, run]
+    (the first at the cache's length): each input sees every position before the first, and itself; the first
+    ``width`` inputs see the last n - width positions before them as ``allowed`` [width, n] says."""
+    columns = torch.arange(capacity, device=write.device)
+    mask = (columns < write[:, :1]) | (columns == write[0, :, None])
+    n = allowed.shape[1]
+    tree_part = write[:, :1] + torch.arange(width - n, width, device=write.device)
+    mask[:width].scatter_(1, tree_part.expand(width, n), allowed)
+    return mask
 
 
 class _Layer:

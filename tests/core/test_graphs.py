@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fuzzyspec.core.graphs import split
+from fuzzyspec.core.graphs import Graphs, split
 from fuzzyspec.core.kvcache import StaticCache
 
 
@@ -29,3 +29,17 @@ def test_a_tensor_hidden_in_a_container_is_refused():
     with pytest.raises(TypeError):
         split(({"x": torch.zeros(1)},))
     assert split(((1, 2), [3], {"a": 1})) == ([], [])
+
+
+def test_a_key_goes_through_a_graph_from_the_call_after_its_patience():
+    """A shape met now and then is not worth a capture: with ``patience`` 2, the first two calls of a key over the
+    same lasting tensors are the caller's own, the third on go through a graph; another cache, or another key or
+    input shape, counts apart."""
+    graphs = Graphs(patience=2)
+    keys, other = _marked(torch.zeros(1, 8)), _marked(torch.zeros(1, 8))
+    hidden = torch.zeros(1, 1, 4)
+    assert [graphs.ready(("tree", 3), (hidden, keys)) for _ in range(4)] == [False, False, True, True]
+    assert not graphs.ready(("tree", 3), (hidden, other))
+    assert not graphs.ready(("tree", 4), (hidden, keys))
+    assert not graphs.ready(("tree", 3), (torch.zeros(1, 2, 4), keys))
+    assert Graphs().ready(("tree", 3), (hidden, keys))

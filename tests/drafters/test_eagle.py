@@ -8,6 +8,8 @@ from safetensors.torch import load_file
 from conftest import tiny_llama
 from tree_reference import TREE_SHAPES, assert_grown_as_the_reference
 from fuzzyspec.core.config import DecodeConfig
+from fuzzyspec.core.draft import Budget
+from fuzzyspec.core.graphs import Graphs
 from fuzzyspec.core.engine import Engine, decode
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.core.kvcache import DraftCache, crop_to
@@ -264,6 +266,48 @@ def test_a_tree_narrowed_to_a_chain_between_trees_drafts_what_the_tree_would(mod
     tokens, _ = decode(model, drafter, torch.tensor([prompt]), greedy, V)
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):]
     assert tokens[0].tolist() == expected.tolist()
+
+
+class Inline(Graphs):
+    """Stands in for ``core.graphs.Graphs`` (a GPU's) on the CPU: runs the function a CUDA graph would capture, with
+    the same arguments, and notes the keys it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[tuple] = []
+
+    def __call__(self, key, function, arguments):
+        self.keys.append(key)
+        return function(*arguments), False
+
+
+def test_a_tree_grown_as_one_captured_call_is_the_one_grown_level_by_level(model, head, monkeypatch):
+    """Where the head's calls run through CUDA graphs, a tree's whole growth is one more (``HeadStep.trees``), its
+    levels written where a tensor on the device says: it grows EAGLE-2's tree as the host did level by level, for
+    every shape with levels below the root's children (the others, and sampling filters, grow as before), greedy
+    and sampled, and counts its head passes."""
+    step = EagleDrafter(head, model, V).step
+    monkeypatch.setattr(step, "trees", Inline())
+    generator = torch.Generator().manual_seed(5)
+
+    def compiled_drafter():
+        drafter = EagleDrafter(head, model, V)
+        drafter.compiled = True
+        return drafter
+
+    for shape in TREE_SHAPES:
+        for sampling in (Sampling(), Sampling(temperature=0.8)):
+            prompt = torch.randint(0, V, (1, 12), generator=generator)
+            captured = len(step.trees.keys)
+            assert_grown_as_the_reference(compiled_drafter, prompt, features_of(model, prompt)[:, :-1], shape,
+                                          sampling)
+            assert len(step.trees.keys) == captured + (shape[1] > 1 and shape[2] > 1), shape
+    drafter = compiled_drafter()
+    drafter.reset()
+    prompt = torch.randint(0, V, (1, 12), generator=generator)
+    drafter.observe(0, features_of(model, prompt)[:, :-1])
+    draft = drafter.propose(prompt, Budget(tokens=5, tree=(16, 5, 4), distributions=False), Sampling(), None)
+    assert drafter.forwards == 1 + 4 and draft.q is None and draft.tokens.shape == (16,)
 
 
 @pytest.mark.parametrize("reduced", [False, True])

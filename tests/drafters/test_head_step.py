@@ -68,6 +68,33 @@ def test_head_step_equals_the_heads_own_layer(model, head, compiled):
         assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_call_written_where_the_device_says_is_the_one_written_at_the_caches_length(model, head, compiled):
+    """Inside a captured tree (``EagleDrafter._tree`` on a GPU) a level's call is written at a start given as a tensor,
+    its mask made on the device: two tree levels, the second seeing some of the first, give the outputs of the same
+    calls written at the cache's length, and leave the length where it was."""
+    step = HeadStep(head, model.get_input_embeddings())
+    tokens = torch.randint(0, V, (1, 46), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 46, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    own = torch.eye(3, dtype=torch.bool)
+    levels = [own, torch.cat([own[[0, 0, 2]], own], 1)]  # (the second level's nodes hang from nodes 0, 0 and 2)
+    outputs = {}
+    with torch.inference_mode():
+        for given in (False, True):
+            cache = step.new_cache()
+            step(cache, tokens[:, 1:40], features[:, :39], compiled=compiled)
+            base, found = cache.length, []
+            for level, allowed in enumerate(levels):
+                where = {"start": torch.tensor([base + 3 * level])} if given else {}
+                fed = features[:, 39 + level].expand(1, 3, -1)
+                found.append(step(cache, tokens[:, 40 + 3 * level: 43 + 3 * level], fed, torch.full((1, 3), base + level),
+                                  allowed, compiled=compiled, **where))
+            assert cache.length == (base if given else base + 6)
+            outputs[given] = found
+    for a, b in zip(outputs[False], outputs[True]):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+
+
 def test_one_step_per_head_and_the_others_run_as_their_module(model, head):
     embed = model.get_input_embeddings()
     assert head_step(head, embed) is head_step(head, embed)
