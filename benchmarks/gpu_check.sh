@@ -1,6 +1,6 @@
 #!/bin/bash
-# The GPU checks and benchmarks a 15-minute lease has time for, as one command (its parts' limits add up to 350 s,
-# leaving the machine's start and the model's three carrying calls room): cuda_check's ``compiled`` (EAGLE trees
+# The GPU checks and benchmarks a 15-minute lease has time for, as one command (its parts' limits add up to 400 s,
+# leaving the machine's start and the model's three carrying calls room): cuda_check's ``trees`` (EAGLE trees
 # through CUDA graphs give the eager tokens, alone, batched, rows joining, caches growing) and ``waits`` (a tree
 # step waits for the GPU once); then the embedded pair's AR against fixed EAGLE-2 trees (a tree's whole growth one
 # captured graph since 2026-11-28, later: 6.90 ms a step on the H200 before, 8.03 on the H100 before cb5f9cf) with
@@ -31,7 +31,7 @@ run() {  # a name, a time limit in seconds, then the command
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
   echo "$name: exit $? after $((SECONDS - start)) s"
 }
-run cuda_check 150 python3 benchmarks/cuda_check.py cuda compiled,waits
+run cuda_check 200 python3 benchmarks/cuda_check.py cuda trees,waits
 run embedded 200 python3 benchmarks/bench_gpu.py --sets embedded --prompts 3 --rows "$ar;$trees;$default" \
   --profile "$trees" --json "$out/embedded.json"
 if [ "${GPU_CHECK_RANDOM:-0}" = 1 ]; then
