@@ -20,9 +20,12 @@ fraction of the memory-bandwidth limit (weight bytes read per step over the copy
 device: a step cannot be faster than reading every weight once); and, for the drafting rows, the acceptance
 step's share of decoding time, timed with a device sync on each side of it in a separate answer.
 
-A row that fails prints its error and is dropped; the others go on.
+A row that fails prints its error and is dropped; the others go on. ``--profile ROWS`` shows where the host spends
+one more answer of each row (cProfile); ``--timeline ROWS`` runs one more under torch's profiler: the share of the
+answer the GPU was busy, the host's dearest operations and the longest kernels.
 
 Usage: python benchmarks/bench_gpu.py [--sets random,embedded] [--prompts 4] [--tokens 128] [--json PATH]
+                                      [--rows 'LABEL;LABEL'] [--profile 'LABEL;...'] [--timeline 'LABEL;...']
        python benchmarks/bench_gpu.py --device cpu --tiny --tokens 8      (a smoke test of the script itself)
 """
 from __future__ import annotations
@@ -161,6 +164,39 @@ def host_profile(run: Callable[[], Any], count: int = 30) -> tuple[Any, str, lis
     return result, text.getvalue(), [line for line in text.getvalue().splitlines() if line.strip()][3:]
 
 
+def device_timeline(run: Callable[[], Any], passes: Callable[[Any], int], count: int = 12) -> tuple[Any, list[str]]:
+    """``run()`` under torch's profiler (the host's operations, and on a GPU its kernels): its result, and lines
+    saying how much of the answer's time the GPU was busy (its kernels' time, summed), the host's operations that
+    took the most time of their own, and the GPU's longest kernels, each per pass (``passes(result)``). A step
+    whose GPU is busy for a small share of it is the host's to speed up."""
+    from torch.autograd import DeviceType
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    clock = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as profiler:
+        result = run()
+    wall_ms = 1000 * (time.perf_counter() - clock)
+    per = max(1, passes(result))
+    averages = profiler.key_averages()
+
+    def device_us(event) -> float:
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+    kernels = [event for event in averages if event.device_type == DeviceType.CUDA]
+    busy_ms = sum(map(device_us, kernels)) / 1000
+    lines = [f"wall {wall_ms / per:.2f} ms a pass under the profiler; GPU busy {busy_ms / per:.2f} ms a pass "
+             f"({100 * busy_ms / wall_ms:.0f}%), {sum(event.count for event in kernels) / per:.0f} kernels a pass"]
+    host = sorted((event for event in averages if event.device_type == DeviceType.CPU),
+                  key=lambda event: event.self_cpu_time_total, reverse=True)[:count]
+    lines += [f"host {event.self_cpu_time_total / 1000 / per:7.3f} ms a pass, {event.count / per:6.1f} calls  "
+              f"{event.key[:80]}" for event in host]
+    lines += [f"GPU  {device_us(event) / 1000 / per:7.3f} ms a pass, {event.count / per:6.1f} calls  {event.key[:80]}"
+              for event in sorted(kernels, key=device_us, reverse=True)[:count // 2]]
+    return result, lines
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second of a device-to-device copy of 1 GiB (read + write), the best of five."""
     size = 1 << 30 if device.type == "cuda" else 1 << 27
@@ -251,7 +287,7 @@ class SyncedJudge:
 
 
 def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str], tokens: int,
-            bandwidth: float, profile: list[str] = ()) -> list[dict]:
+            bandwidth: float, profile: list[str] = (), timeline: list[str] = ()) -> list[dict]:
     steps = {"eager": TargetStep(pair.target), "compiled": TargetStep(pair.target, compile=True, graphs=False),
              "graphs": TargetStep(pair.target, compile=True), "apart": TargetStep(pair.target, compile=True),
              "inductor": TargetStep(pair.target, compile=True)}
@@ -355,6 +391,12 @@ def run_set(name: str, pair: ModelPair, device: torch.device, prompts: list[str]
             print(f"  [{name}] {label}: host by own time, one answer of {took[1] if took else '?'} tokens in "
                   f"{took[2] if took else '?'} passes (cProfile; its overhead inflates every figure):", flush=True)
             print("\n".join("     " + line[:150] for line in lines), flush=True)
+    for label in timeline:  # how much of a row's answer the GPU was busy, and what the host spent it on
+        if label in ROWS and label not in failed:
+            took, lines = device_timeline(lambda: timed(label, encoded[0]), lambda took: took[2] if took else 0)
+            print(f"  [{name}] {label}: one answer under torch's profiler (its overhead inflates the host's figures):",
+                  flush=True)
+            print("\n".join("     " + line for line in lines), flush=True)
     limit = bandwidth / weight_bytes(pair.target)  # steps per second if a step only read the weights
     table = []
     for label, total in results.items():
@@ -386,6 +428,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default="", help="row labels separated by ';': where the host spends one more "
                                                        "answer of each (cProfile)")
+    parser.add_argument("--timeline", default="", help="row labels separated by ';': one more answer of each under "
+                                                        "torch's profiler (the GPU's busy share, the host's dearest "
+                                                        "operations, the longest kernels)")
     args = parser.parse_args()
     if args.rows:
         for label in list(ROWS):
@@ -408,7 +453,8 @@ def main() -> None:
               f"{weight_bytes(pair.target) / 1e9:.2f} GB read per step, {pair.target.dtype}; loaded in "
               f"{time.perf_counter() - clock:.0f} s", flush=True)
         rows = run_set(name, pair, device, prompts, args.tokens, bandwidth,
-                       [label for label in args.profile.split(";") if label])
+                       [label for label in args.profile.split(";") if label],
+                       [label for label in args.timeline.split(";") if label])
         ar = {row["row"]: row.get("tokens_per_s") for row in rows}
         best_ar = max((rate for label, rate in ar.items() if label.startswith("our AR") and rate), default=None)
         for row in rows:

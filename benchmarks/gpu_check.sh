@@ -4,7 +4,8 @@
 # through CUDA graphs give the eager tokens, alone, batched, rows joining, caches growing) and ``waits`` (a tree
 # step waits for the GPU once); then the embedded pair's AR against fixed EAGLE-2 trees (a tree's whole growth one
 # captured graph since 2026-11-28, later: 6.90 ms a step on the H200 before, 8.03 on the H100 before cb5f9cf) with
-# where the host spends a trees answer, and the default job. Each result goes to OUT as it ends, so a stopped run
+# where the host spends a trees answer (cProfile), and the default job; for both, how much of an answer the GPU was
+# busy, and the host's dearest operations (torch's profiler). Each result goes to OUT as it ends, so a stopped run
 # keeps what finished. GPU_CHECK_RANDOM=1 adds the random 1.1B target's AR (130 s more).
 #
 # The embedded model's GGUF (98 MB) is more than one call carries beside the checkout: split it here
@@ -33,7 +34,7 @@ run() {  # a name, a time limit in seconds, then the command
 }
 run cuda_check 200 python3 benchmarks/cuda_check.py cuda trees,waits
 run embedded 200 python3 benchmarks/bench_gpu.py --sets embedded --prompts 3 --rows "$ar;$trees;$default" \
-  --profile "$trees" --json "$out/embedded.json"
+  --profile "$trees" --timeline "$trees;$default" --json "$out/embedded.json"
 if [ "${GPU_CHECK_RANDOM:-0}" = 1 ]; then
   run random 130 python3 benchmarks/bench_gpu.py --sets random --prompts 3 --rows "$ar" --json "$out/random.json"
 fi
