@@ -45,8 +45,12 @@ prompt is (its category marked "+chat"): long and short contexts in turn, as a s
 Prints tokens/s and its ratio to AR, tokens per target pass, the share of steps that drafted nothing, the ratio per
 prompt category, and each variant's profile at the end; and the CPU's instruction sets.
 
-Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24] [--context 0 [--mixed]]
-           [--variants ar,meanfold+w2m95+p6+k15,default,chain1] [--head DIR[;DIR3]]
+With ``--source sharegpt`` the prompts are held-out ShareGPT conversations' first messages (as
+``bench_drafters.py``'s set: at most 2,000 characters), the training source's own kind of text, beside the everyday
+set that no drafter saw the like of.
+
+Usage: python benchmarks/ab_planner.py [--mode compiled] [--form int4] [--prompts 24] [--source everyday|sharegpt]
+           [--context 0 [--mixed]] [--variants ar,meanfold+w2m95+p6+k15,default,chain1] [--head DIR[;DIR3]]
 """
 from __future__ import annotations
 
@@ -69,7 +73,7 @@ from fuzzyspec.api import ModelPair  # noqa: E402
 from fuzzyspec.core import cost, engine, int4, kvcache, step as step_module, vocab as vocab_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
-from fuzzyspec.data import is_held_out, read_sharegpt  # noqa: E402
+from fuzzyspec.data import is_held_out, prompts as first_prompts, read_sharegpt, split  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
 from fuzzyspec.drafters.lookup import CopyFirst  # noqa: E402
 from fuzzyspec.drafters import head_step as head_step_module  # noqa: E402
@@ -230,6 +234,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", default="ar,meanfold+w2m95+p6+k15,default,chain1")
+    parser.add_argument("--source", choices=("everyday", "sharegpt"), default="everyday",
+                        help="the prompts: everyday (by category), or held-out ShareGPT conversations' first ones")
     parser.add_argument("--context", type=int, default=0, help="tokens of earlier chat turns before each prompt")
     parser.add_argument("--mixed", action="store_true", help="with --context: only every other prompt in a chat")
     parser.add_argument("--head", default=None, help="DIR[;DIR3]: variant parts head2 (head3): the default job "
@@ -306,7 +312,9 @@ def main() -> None:
                                                 prepare=head_step(variant_head, embed).prepare
                                                 if {"q4head", "head2", "head3"} & set(parts) else None),
                                   variant_step, None)
-    prompts = chats(everyday(args.prompts), pair.tokenizer, args.context, args.mixed)
+    asked = everyday(args.prompts) if args.source == "everyday" else \
+        [("sharegpt", prompt) for prompt in first_prompts(split(read_sharegpt())[1], args.prompts, max_chars=2000)]
+    prompts = chats(asked, pair.tokenizer, args.context, args.mixed)
     encoded = [job.encode(prompt) for _, prompt in prompts]  # (a long chat's template takes a while: once)
     # every cache capacity the prompts' steps run at (the engine's: 256 doubled to hold the prompt, then the answer)
     lengths = {ids.shape[1] + extra for ids in encoded for extra in (1, 1 + COMMON["max_new_tokens"])}
@@ -354,7 +362,7 @@ def main() -> None:
     apply("default")
     contexts = [ids.shape[1] for ids in encoded]
     print(f"CPU: {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; {args.form} {args.mode}; "
-          f"{len(prompts)} everyday prompts x {COMMON['max_new_tokens']} tokens, greedy; prompts of "
+          f"{len(prompts)} {args.source} prompts x {COMMON['max_new_tokens']} tokens, greedy; prompts of "
           f"{min(contexts)}-{max(contexts)} tokens (median {sorted(contexts)[len(contexts) // 2]})")
     ar = totals["ar"]
     if args.context:
