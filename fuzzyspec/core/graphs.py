@@ -111,8 +111,8 @@ class Graphs:
         # A first run outside the capture, on a side stream as CUDA's capture rules ask: it compiles where needed,
         # and the kernels' first calls (cuBLAS choosing its algorithms, workspaces) happen there. It writes what
         # the replay below writes again, at the same places.
+        stream = _side_stream()
         if self.warm_up:
-            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 function(*arguments)
@@ -121,9 +121,32 @@ class Graphs:
         own = list(arguments)
         for place, tensor in zip(moving, inputs):
             own[place] = tensor
+        # Captured on a side stream, as ``torch.cuda.graph`` does, but without what it does first: wait for the
+        # device, and empty PyTorch's caches of device memory and of pinned host memory. Inside an answer (a tree
+        # shape first grown a third time, a grown cache) that left the steps after it to allocate afresh until the
+        # caches filled again: device memory, and pinned host memory, which every ``upload`` takes and which is dear
+        # to allocate.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = function(*own)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                outputs = function(*own)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
         self.captured = {address: old for address, old in self.captured.items()
                          if all(ref() is not None for ref in old.alive)}
         return Captured(graph, inputs, outputs, [weakref.ref(tensor) for tensor in kept])
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """The side stream warm-ups and captures run on, one per device for every ``Graphs``: a warm-up on the stream its
+    capture then runs on sets up what the kernels need on that stream (cuBLAS's handle and workspace) outside it."""
+    device = torch.cuda.current_device()
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream()
+    return _STREAMS[device]
