@@ -159,8 +159,8 @@ def waits() -> None:
     """An EAGLE tree step through CUDA graphs waits for the device once, for its outcome: the tree is grown on the
     device (since 2026-11-28 as one captured graph) and its shape read with the outcome
     (``torch.cuda.set_sync_debug_mode`` warns at every wait). A step that captures a graph (a cache grown to new
-    tensors, a shape met first) may wait more: its warm-up run's first calls (until 2026-11-28, ``torch.cuda.graph``
-    synchronised before every capture too)."""
+    tensors, a shape met first) waits more: ``core.graphs`` waits for the device before a capture, as
+    ``torch.cuda.graph`` does."""
     if DEVICE == "cpu":
         print("(a GPU's check: nothing waits on the CPU)")
         return

@@ -121,13 +121,12 @@ class Graphs:
         own = list(arguments)
         for place, tensor in zip(moving, inputs):
             own[place] = tensor
-        # Captured on a side stream, as ``torch.cuda.graph`` does, but without what it does first: wait for the
-        # device, and empty PyTorch's caches of device memory and of pinned host memory. Inside an answer (a tree
-        # shape first grown a third time, a grown cache) that left the steps after it to allocate afresh until the
-        # caches filled again: device memory, and pinned host memory, which every ``upload`` takes and which is dear
-        # to allocate.
+        # Captured on a side stream after a wait for the device, as ``torch.cuda.graph`` does, but without emptying
+        # PyTorch's caches of device memory and of pinned host memory as it does next. Inside an answer (a tree shape
+        # grown a third time, a grown cache) that left the steps after it to allocate afresh until the caches
+        # filled again: device memory, and pinned host memory, which every ``upload`` takes and is dear to allocate.
         graph = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream())
+        torch.cuda.synchronize()
         with torch.cuda.stream(stream):
             graph.capture_begin()
             try:
