@@ -86,9 +86,9 @@ def test_a_call_written_where_the_device_says_is_the_one_written_at_the_caches_l
             base, found = cache.length, []
             for level, allowed in enumerate(levels):
                 where = {"start": torch.tensor([base + 3 * level])} if given else {}
-                fed = features[:, 39 + level].expand(1, 3, -1)
-                found.append(step(cache, tokens[:, 40 + 3 * level: 43 + 3 * level], fed, torch.full((1, 3), base + level),
-                                  allowed, compiled=compiled, **where))
+                fed, positions = features[:, 39 + level].expand(1, 3, -1), torch.full((1, 3), base + level)
+                found.append(step(cache, tokens[:, 40 + 3 * level: 43 + 3 * level], fed, positions, allowed,
+                                  compiled=compiled, **where))
             assert cache.length == (base if given else base + 6)
             outputs[given] = found
     for a, b in zip(outputs[False], outputs[True]):
