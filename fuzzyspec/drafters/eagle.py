@@ -120,7 +120,7 @@ class EagleDrafter(BaseDrafter):
             return None
         hidden = self._root(sequence)
         if budget.tree is not None:
-            return self._tree(sequence, hidden, budget.tree, sampling, budget.distributions)
+            return self._tree(hidden, budget.tree, sampling, budget.distributions)
 
         def advance(token: Tensor) -> Tensor:
             nonlocal hidden
@@ -156,7 +156,7 @@ class EagleDrafter(BaseDrafter):
         logits = self._head_logits(hidden)
         return logits if self.vocab is not None else logits[..., : self.vocab_size]
 
-    def _tree(self, sequence: Tensor, root_hidden: Tensor, shape: tuple[int, int, int], sampling: Sampling,
+    def _tree(self, root_hidden: Tensor, shape: tuple[int, int, int], sampling: Sampling,
               distributions: bool = True) -> Draft:
         """An EAGLE-2 dynamic tree below the newest token (see the class docstring); its nodes' distributions
         kept where ``distributions`` (the rule reads them).
