@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit(f"ab_attention: {kernels.unavailable()}")
-    ops = before_and_after(SOURCE, args.before, ("fuzzyspec_attention", "fuzzyspec_layer"), prefix="attention_")
+    ops = before_and_after(SOURCE, args.before, "fuzzyspec_attention", prefix="attention_")
     print(f"ab_attention: CPU {cpu_isa()}; {args.threads} threads; torch {torch.__version__}; before: {args.before}, "
           f"after: the working tree; {time.strftime('%Y-%m-%d')}")
     generator = torch.Generator().manual_seed(0)

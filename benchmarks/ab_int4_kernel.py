@@ -39,33 +39,56 @@ SOURCE = "fuzzyspec/core/int4_kernel.cpp"
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
-def build(tag: str, source: str, namespaces: tuple[str, ...] = ("fuzzyspec_int4",)):
-    """The kernel ``source`` built with its op ``namespaces`` renamed (the first to ``ab_<tag>_<isa>``, any
-    further with their index appended), so it loads beside the working tree's; the first namespace."""
+# The extension's files since the kernels were split (0c21715): ops.cpp registers every op, the kernels' files hold
+# plain C++. Before, each kernel's file registered its own ops and was built alone.
+SPLIT = ("fuzzyspec/core/ops.cpp", "fuzzyspec/core/int4_kernel.cpp", "fuzzyspec/core/layer_kernel.cpp",
+         "fuzzyspec/core/kernels.h")
+NAMESPACES = ("fuzzyspec_int4", "fuzzyspec_attention", "fuzzyspec_layer")
+
+
+def sources_at(source: str, commit: str | None) -> dict[str, str]:
+    """The files to build for the kernel file ``source`` at ``commit`` (None: the working tree), by file name:
+    every file of the extension where the commit has the split layout, else ``source`` alone."""
+    def read(path: str) -> str:
+        if commit is None:
+            return (ROOT / path).read_text()
+        return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+
+    split = commit is None or subprocess.run(["git", "cat-file", "-e", f"{commit}:{SPLIT[0]}"], cwd=ROOT,
+                                             capture_output=True).returncode == 0
+    return {Path(path).name: read(path) for path in (SPLIT if split else (source,))}
+
+
+def build(tag: str, files: dict[str, str]) -> dict[str, object]:
+    """The kernel ``files`` (name: text) built as one extension whose op namespaces and C++ namespace are renamed to
+    ``ab_<tag>_<isa>...``, so it loads beside the working tree's; {original op namespace: its ops}."""
     from torch.utils import cpp_extension
 
     name = f"ab_{tag}_{kernels.isa().replace('-', '_')}"
     folder = cache_dir() / "ab_kernels" / name
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.cpp"
-    text = source
-    for index, namespace in enumerate(namespaces):
-        text = text.replace(namespace, name + (f"_{index}" if index else ""))
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
-    cpp_extension.load(name, [str(path)], build_directory=str(folder), is_python_module=False,
-                       extra_cflags=kernels.build_flags())
-    return getattr(torch.ops, name)
+    renamed = {namespace: f"{name}_{index}" for index, namespace in enumerate(NAMESPACES)}
+    found = set()
+    for file, text in files.items():
+        for namespace, new in renamed.items():
+            if namespace in text:
+                found.add(namespace)
+                text = text.replace(namespace, new)
+        text = text.replace("namespace fuzzyspec", f"namespace {name}").replace("fuzzyspec::", f"{name}::")
+        path = folder / file
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+    cpp_extension.load(name, [str(folder / file) for file in files if file.endswith(".cpp")],
+                       build_directory=str(folder), is_python_module=False, extra_cflags=kernels.build_flags())
+    return {namespace: getattr(torch.ops, renamed[namespace]) for namespace in sorted(found)}
 
 
-def before_and_after(source: str, before: str, namespaces: tuple[str, ...] = ("fuzzyspec_int4",),
-                     prefix: str = "") -> dict:
+def before_and_after(source: str, before: str, namespace: str = "fuzzyspec_int4", prefix: str = "") -> dict:
     """The kernel file ``source`` (a path in the repository) of commit ``before`` and of the working tree, each built
-    under op namespaces of its own (``build``): {"before": its first namespace, "after": the same}."""
-    old = subprocess.run(["git", "show", f"{before}:{source}"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
-    return {"before": build(prefix + "before", old, namespaces),
-            "after": build(prefix + "after", (ROOT / source).read_text(), namespaces)}
+    with op namespaces of its own (``build``): {"before": the ops of its ``namespace``, "after": the same}."""
+    return {"before": build(prefix + "before", sources_at(source, before))[namespace],
+            "after": build(prefix + "after", sources_at(source, None))[namespace]}
 
 
 def use(namespace) -> None:
