@@ -100,8 +100,10 @@ struct Eight {  // Q8_0
 // prefetching falls behind it: every tile asks for the bytes PREFETCH ahead of the block it reads. A tile walks
 // its group's blocks in order and a thread its groups in order, so 8 KB ahead is one to two groups ahead in the
 // same stream. On the 2-core AMD EPYC, a whole model's products (30 layers' distinct weights and the head) ran
-// 1.05-1.07x faster at 1 token, 1.1-1.15x at 2-4 and 1.2-1.25x at 6-17 than asking 1 KB ahead from 4 tokens on
-// (as before); 4-12 KB measured alike, 0.5-2 KB less well.
+// 1.02-1.07x faster at 1 token, 1.05-1.14x at 2-4 and 1.14-1.25x at 6-17 than asking 1 KB ahead from 4 tokens on
+// (as before), and the AVX2 build (emulated there) 1.27x at 1 token and 1.07-1.16x at 2-17 than not asking; 4-12 KB
+// measured alike, 0.5-2 KB less well. (With a weight already in the caches, as a tree's later levels find the
+// EAGLE head's, the requests cost the AVX2 build's tiles of 4-17 tokens 5-9%, the AVX-512 build's about 1%.)
 constexpr int64_t PREFETCH = 8192;
 
 template <class Format>
