@@ -4,10 +4,9 @@ and eager decoding (AR and the default job) of everyday prompts, every configura
 
 Both kernels (``fuzzyspec/core/int4_kernel.cpp`` of the working tree and of ``--before``, each with the extension's
 other files of its commit) are built for this machine's instruction set (or FUZZYSPEC_INT4_ISA's) under op and C++
-namespaces of their own, and the model's 4-bit layers
-are pointed at one or the other between calls (eager steps look their op up at each call). The two kernels must
-give the same numbers bit for bit (checked on every product), so only time differs. To see the AVX2 class on a
-wider CPU: ``ATEN_CPU_CAPABILITY=avx2 FUZZYSPEC_INT4_ISA=avx2``.
+namespaces of their own, and the model's 4-bit layers are pointed at one or the other between calls (eager steps
+look their op up at each call). The two kernels must give the same numbers bit for bit (checked on every product),
+so only time differs. To see the AVX2 class on a wider CPU: ``ATEN_CPU_CAPABILITY=avx2 FUZZYSPEC_INT4_ISA=avx2``.
 
 Usage: python benchmarks/ab_int4_kernel.py [--before 62c50b8] [--prompts 16] [--threads 2]
 """
