@@ -65,7 +65,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import everyday  # noqa: E402 (this folder's modules)
+from bench_drafters import load_prompts  # noqa: E402 (this folder's modules)
+from bench_step import everyday  # noqa: E402
 from turns import balanced_turns  # noqa: E402
 
 from fuzzyspec import tuning  # noqa: E402
@@ -73,7 +74,7 @@ from fuzzyspec.api import ModelPair  # noqa: E402
 from fuzzyspec.core import cost, engine, int4, kvcache, step as step_module, vocab as vocab_module  # noqa: E402
 from fuzzyspec.core.cost import Profile  # noqa: E402
 from fuzzyspec.core.step import TargetStep  # noqa: E402
-from fuzzyspec.data import is_held_out, prompts as first_prompts, read_sharegpt, split  # noqa: E402
+from fuzzyspec.data import is_held_out, read_sharegpt  # noqa: E402
 from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
 from fuzzyspec.drafters.lookup import CopyFirst  # noqa: E402
 from fuzzyspec.drafters import head_step as head_step_module  # noqa: E402
@@ -313,7 +314,7 @@ def main() -> None:
                                                 if {"q4head", "head2", "head3"} & set(parts) else None),
                                   variant_step, None)
     asked = everyday(args.prompts) if args.source == "everyday" else \
-        [("sharegpt", prompt) for prompt in first_prompts(split(read_sharegpt())[1], args.prompts, max_chars=2000)]
+        [("sharegpt", prompt) for prompt in load_prompts("sharegpt", args.prompts)]
     prompts = chats(asked, pair.tokenizer, args.context, args.mixed)
     encoded = [job.encode(prompt) for _, prompt in prompts]  # (a long chat's template takes a while: once)
     # every cache capacity the prompts' steps run at (the engine's: 256 doubled to hold the prompt, then the answer)
