@@ -317,10 +317,11 @@ def main() -> None:
         [("sharegpt", prompt) for prompt in load_prompts("sharegpt", args.prompts)]
     prompts = chats(asked, pair.tokenizer, args.context, args.mixed)
     encoded = [job.encode(prompt) for _, prompt in prompts]  # (a long chat's template takes a while: once)
-    # every cache capacity the prompts' steps run at (the engine's: 256 doubled to hold the prompt, then the answer)
+    # every cache capacity the prompts' steps run at (the engine's: its first, doubled to hold the prompt, then the
+    # answer)
     lengths = {ids.shape[1] + extra for ids in encoded for extra in (1, 1 + COMMON["max_new_tokens"])}
-    capacities = tuple(sorted(({256, 512} if not args.context else set()) |
-                              {max(256, 1 << (length - 1).bit_length()) for length in lengths}))
+    first = step.min_capacity
+    capacities = tuple(sorted({first} | {max(first, 1 << (length - 1).bit_length()) for length in lengths}))
     if step.compile:
         tuning.prepare(job, job.config(**COMMON), capacities)
         for variant in variants:  # a variant's own head or step compiles its own graphs, ahead as the shipped ones are

@@ -51,7 +51,7 @@ def main() -> None:
           f"{args.prompts} everyday prompts x {NEW_TOKENS} tokens, greedy; settled on {args.settle}, 1-4 token passes "
           f"then priced x{args.slow}; {time.strftime('%Y-%m-%d')}", flush=True)
     if compiled:
-        tuning.prepare(pair, pair.config(max_new_tokens=NEW_TOKENS, eos_token_ids=()), (256, 512))
+        tuning.prepare(pair, pair.config(max_new_tokens=NEW_TOKENS, eos_token_ids=()))
     prompts = [pair.encode(prompt) for _, prompt in everyday(args.prompts)]
     shipped = engine.REFRESH
 

@@ -87,7 +87,7 @@ def main() -> None:
     files = {eagle.__file__, before_file}
     pair = ModelPair.load(draft="eagle", compile=args.mode == "compiled")
     if args.mode == "compiled":
-        tuning.prepare(pair, pair.config(method="sd", tree=True, gamma_schedule="constant"), (256, 512))
+        tuning.prepare(pair, pair.config(method="sd", tree=True, gamma_schedule="constant"))
     prompts = everyday(args.prompts)
     print(f"fuzzyspec ab_tree_growth ({args.mode}, the GGUF's 4 bits): {machine()}; {len(prompts)} everyday prompts "
           f"x 128 tokens, greedy sd, fixed trees; {time.strftime('%Y-%m-%d')}", flush=True)

@@ -179,14 +179,15 @@ def decode_rows(pairs: dict[str, ModelPair], steps: dict[tuple[str, str], Target
               for label in labels}
     common = {"max_new_tokens": tokens, "eos_token_ids": ()}
     # Warmed on the shortest and the longest prompt at full length, so that every cache size decoding reaches
-    # (a power of two from 256) is compiled before the clock runs (compiling is timed apart, in the cost curve's
-    # "first" column).
+    # (a power of two from the step's first, ``TargetStep.min_capacity``) is compiled before the clock runs
+    # (compiling is timed apart, in the cost curve's "first" column).
     encoded = sorted((first.encode(prompt) for _, prompt in prompts), key=lambda ids: ids.shape[1])
     print(f"fuzzyspec: warming {len(configs)} configurations (compiles where compiled) ...", file=sys.stderr)
     longest = max(ids.shape[1] for ids in encoded) + tokens
-    capacities = tuple(256 << i for i in range(8) if 256 << i < 2 * longest)
     for label, pair, options in configs:
         # every shape the schedule may pick, at every cache size decoding reaches
+        first_capacity = pair.step.min_capacity
+        capacities = tuple(first_capacity << i for i in range(8) if i == 0 or first_capacity << i < 2 * longest)
         tuning.prepare(pair, pair.config(**(common | options)), capacities)
         # Again while a pass still compiles: the draft sizes the cost schedule picks (so the widths a step runs
         # at) change as its measurements come in, and a width compiled inside a timed prompt costs ~20 s.

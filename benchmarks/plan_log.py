@@ -45,7 +45,7 @@ def main() -> None:
     pair = ModelPair.load(weights="int4", compile=True)
     print(f"plan_log: CPU {cpu_isa()}; torch {torch.__version__}; int4 compiled; {args.prompts} everyday prompts x "
           f"{NEW_TOKENS} tokens, greedy; cost.DOUBT {cost.DOUBT}")
-    tuning.prepare(pair, pair.config(max_new_tokens=NEW_TOKENS, eos_token_ids=()), (256, 512))
+    tuning.prepare(pair, pair.config(max_new_tokens=NEW_TOKENS, eos_token_ids=()))
     profiles = {"ar": Profile(), "default": Profile()}
     records: list[dict] = []
     answering: list[int | None] = [None]

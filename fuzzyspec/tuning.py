@@ -24,7 +24,7 @@ import torch
 
 from .core import kernels
 from .core.cost import OUTSIDE, TARGET, Acceptance, Option, Profile, draft_key, speedup, widened
-from .core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+from .core.kvcache import HEAD_CAPACITY, StaticCache, attention_mask, chain_tree, write_positions
 from .core.step import TargetStep
 from .files import write_whole
 from .loading import EMBEDDED, cache_dir, cpu_isa, resolve_dtype, weight_form
@@ -131,11 +131,11 @@ def facts(key: str) -> dict:
 
 @torch.inference_mode()
 def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: int = 128, rounds: int = 15,
-                   compiled: bool = False, progress: Callable[[str], None] | None = None, capacity: int = 256
+                   compiled: bool = False, progress: Callable[[str], None] | None = None, capacity: int | None = None
                    ) -> tuple[dict[int, float], dict[int, float]]:
     """Milliseconds of one forward of ``width`` tokens after ``prefix`` cached ones, for each width (batch 1,
-    a cache of ``capacity`` positions): the median over ``rounds`` rounds, each of which runs every width once, in
-    an order turned a step each round; and, compiled, the seconds of each width's first call (its compilation, or
+    a cache of ``capacity`` positions, by default the one decoding starts with): the median over ``rounds`` rounds,
+    each of which runs every width once, in an order turned a step each round; and, compiled, the seconds of each width's first call (its compilation, or
     loading it from the cache).
 
     Why rounds: a spell of the machine's pace then falls on every width alike. Timed one width after another (five
@@ -156,14 +156,14 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
 
 @torch.inference_mode()
 def target_calls(step: TargetStep, widths: tuple[int, ...], prefix: int = 128, compiled: bool = False,
-                 progress: Callable[[str], None] | None = None, capacity: int = 256
+                 progress: Callable[[str], None] | None = None, capacity: int | None = None
                  ) -> tuple[dict[int, Callable[[], None]], dict[int, float]]:
     """For each width, a call of one forward of ``width`` tokens after ``prefix`` cached ones (batch 1, a cache of
     ``capacity`` positions), made twice already (its first call, compiled: its compilation; and one to warm it);
     and, compiled, the seconds of each first call. Run the calls under ``torch.inference_mode``, as they were made."""
     model = step.model
     device = model.get_input_embeddings().weight.device
-    cache = StaticCache.for_model(model.config, 1, capacity, step.cache_dtype, device)
+    cache = StaticCache.for_model(model.config, 1, capacity or step.min_capacity, step.cache_dtype, device)
     longest = max(step.shape(width, 1)[0] for width in widths)
     tokens = torch.randint(0, model.config.vocab_size, (1, prefix + longest), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
@@ -195,20 +195,22 @@ def target_calls(step: TargetStep, widths: tuple[int, ...], prefix: int = 128, c
     return runs, compile_s
 
 
-def prepare(pair, config, capacities: tuple[int, ...] = (256,), progress: Callable[[str], None] | None = None) -> None:
+def prepare(pair, config, capacities: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None
+            ) -> None:
     """Where the pair's step is compiled and ``config`` (a ``DecodeConfig``) drafts, compile ahead every one-row
     shape its drafts can ask the step to verify at each cache capacity in ``capacities``, and the drafter's own
     compiled steps where it has some (an EAGLE head's: one graph a width serves every capacity of its cache): the
     cost schedule moves between draft sizes as its measurements come in, and a shape first met while decoding
-    stops that row for the seconds a compilation takes."""
+    stops that row for the seconds a compilation takes. ``capacities``: the step's first (``TargetStep.min_capacity``)
+    unless given."""
     if pair.step.compile and pair.draft is not None and config.method != "ar":
         widths = Option.of(pair.draft.name, config).widths()
-        for capacity in capacities:
+        for capacity in capacities or (pair.step.min_capacity,):
             measure_target(pair.step, widths, rounds=1, compiled=True, progress=progress, capacity=capacity)
         if pair.draft.prepare is not None:
             if progress is not None:
                 progress("drafter step (compiling)")
-            pair.draft.prepare(capacities[0])
+            pair.draft.prepare(HEAD_CAPACITY)  # (a head's cache starts there whatever the target's holds)
 
 
 def measure(pair, config, widths: tuple[int, ...] = WIDTHS, progress: Callable[[str], None] | None = None) -> dict:

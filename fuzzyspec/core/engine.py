@@ -52,7 +52,6 @@ from .stats import Stats
 from .step import Features, TargetStep
 
 Callback = Callable[[Tensor], bool]
-MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a row needs more)
 # Steps between plans of the cost schedule's draft sizes (and at once after rows join). What a plan weighs moves
 # slowly (a row's rates by a few percent a step, a cost by at most ``cost.STRIDE`` a measurement), while planning
 # every step cost 0.16 ms of a compiled 4-bit step's 8 on a 2-core CPU.
@@ -251,7 +250,7 @@ class Engine:
     def _reserve(self, slots: int, length: int) -> None:
         """Make the cache hold ``slots`` rows of ``length`` positions at least (doubling its capacity)."""
         if self.cache is None:
-            capacity = MIN_CAPACITY
+            capacity = self.step_fn.min_capacity
             while capacity < length:
                 capacity *= 2
             self.cache = self.step_fn.borrow_cache(slots, capacity)

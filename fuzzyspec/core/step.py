@@ -297,6 +297,16 @@ WIDTHS = (1, 2, 4, 6, 8, 12, 17, 24, 32, 48, 64)  # compiled widths: 1 (AR), gam
 # On a GPU a pass of a few tokens reads the same weights as one of a single token and costs about as much, so
 # padding is cheap there, and every width is one more graph to compile and capture: fewer, coarser widths.
 GPU_WIDTHS = (1, 6, 17, 32, 64)
+MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a row needs more)
+# A compiled CPU step's graphs are made per cache capacity, and a first pass at a new one traces and compiles the
+# target again, inside the answer, in every process: 8.2-8.6 s a width on the 2-core EPYC (inductor's kept code
+# spares the C++ compiler, not the tracing and frozen weights' passes). A cache that starts at 256 positions
+# doubled for a third of the everyday prompts (prompt + 128 tokens), stalling each width they used. Its capacity
+# marked dynamic, one graph served every capacity, but a pass ran about 10% slower. A first capacity of 1024
+# passes as fast (3.38-3.56 ms at 1 token and 4.38-4.39 at 6 after 128 positions, at 256, 2048 and 8192) and holds
+# chats to 1024 positions without a compilation: 24 MB a row for the embedded model's float16 cache
+# (benchmarks/results_between_passes_epyc_2026-11-28.txt)
+COMPILED_CPU_CAPACITY = 1024
 
 
 class TargetStep:
@@ -333,6 +343,13 @@ class TargetStep:
         # reads a float16 cache; every other keeps the weights' dtype.
         float16_cache = holds_blocks(model) and isinstance(self.forward, LlamaForward) and self.forward.heads.invariant
         self.cache_dtype = torch.float16 if float16_cache else weight.dtype
+
+    @property
+    def min_capacity(self) -> int:
+        """The positions a new cache for these steps holds at least: ``COMPILED_CPU_CAPACITY`` for compiled steps on
+        the CPU, else ``MIN_CAPACITY``."""
+        on_cpu = self.model.get_input_embeddings().weight.device.type == "cpu"
+        return COMPILED_CPU_CAPACITY if self.compile and on_cpu else MIN_CAPACITY
 
     def borrow_cache(self, slots: int, capacity: int) -> StaticCache:
         """An empty cache of ``slots`` rows of ``capacity`` positions for one engine: the one the last engine gave

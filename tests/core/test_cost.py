@@ -362,7 +362,7 @@ def test_prepare_compiles_the_eagle_heads_step_too(tmp_path):
     tree = DecodeConfig(method="sd", tree=True, tree_total_tokens=6, tree_depth=3, tree_top_k=2, max_new_tokens=12,
                         gamma_schedule="constant")
     for config in (chain, tree):
-        tuning.prepare(SimpleNamespace(step=step, draft=source), config, (256, 512))
+        tuning.prepare(SimpleNamespace(step=step, draft=source), config)
     graphs = counters["stats"]["unique_graphs"]
     for config in (chain, tree):
         for prompt in ([1, 2, 3], list(range(1, 31)) * 9):
@@ -387,6 +387,29 @@ def test_the_graphs_prepared_ahead_are_the_ones_decoding_runs():
     decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3]]), config, V)
     decode(step, None, torch.tensor([[1, 2, 3]]), DecodeConfig(method="ar", max_new_tokens=4), V)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_compiled_cpu_steps_cache_starts_large_enough_for_a_chat():
+    """Each cache capacity is a graph of its own: a first pass at a new one compiles the target again inside the
+    answer (8 s a width for the embedded model). A compiled CPU step's cache starts at ``COMPILED_CPU_CAPACITY``, so
+    after ``prepare`` an answer that passes 256 or 512 positions compiles nothing; eager steps start small."""
+    from torch._dynamo.utils import counters
+
+    from fuzzyspec import tuning
+    from fuzzyspec.core.step import COMPILED_CPU_CAPACITY, MIN_CAPACITY
+
+    step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 2, 4))
+    assert step.min_capacity == COMPILED_CPU_CAPACITY > 512 and TargetStep(step.model).min_capacity == MIN_CAPACITY
+    config = DecodeConfig(method="ar", max_new_tokens=8)
+    tuning.prepare(SimpleNamespace(step=step, draft=SimpleNamespace(name="ModelDrafter", prepare=None)),
+                   DecodeConfig(method="sd", gamma=3, gamma_schedule="constant"))
+    decode(step, None, torch.tensor([[1, 2, 3]]), config, V)
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = torch.tensor([list(range(1, 31)) * 20])  # 600 positions
+    compiled, _ = decode(step, None, prompt, config, V)
+    assert counters["stats"]["unique_graphs"] == graphs
+    eager, _ = decode(TargetStep(step.model), None, prompt, config, V)
+    assert compiled.tolist() == eager.tolist()
 
 
 def test_a_row_that_stopped_drafting_tries_again():
