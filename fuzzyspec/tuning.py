@@ -135,8 +135,8 @@ def measure_target(step: TargetStep, widths: tuple[int, ...] = WIDTHS, prefix: i
                    ) -> tuple[dict[int, float], dict[int, float]]:
     """Milliseconds of one forward of ``width`` tokens after ``prefix`` cached ones, for each width (batch 1,
     a cache of ``capacity`` positions, by default the one decoding starts with): the median over ``rounds`` rounds,
-    each of which runs every width once, in an order turned a step each round; and, compiled, the seconds of each width's first call (its compilation, or
-    loading it from the cache).
+    each of which runs every width once, in an order turned a step each round; and, compiled, the seconds of each
+    width's first call (its compilation, or loading it from the cache).
 
     Why rounds: a spell of the machine's pace then falls on every width alike. Timed one width after another (five
     calls each), a compiled 2-token pass of the embedded 4-bit target came out at 0.82x, 0.91x, 1.18x and 1.13x a
