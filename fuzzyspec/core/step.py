@@ -301,11 +301,11 @@ MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a ro
 # A compiled CPU step's graphs are made per cache capacity, and a first pass at a new one traces and compiles the
 # target again, inside the answer, in every process: 8.2-8.6 s a width on the 2-core EPYC (inductor's kept code
 # spares the C++ compiler, not the tracing and frozen weights' passes). A cache that starts at 256 positions
-# doubled for a third of the everyday prompts (prompt + 128 tokens), stalling each width they used. Its capacity
-# marked dynamic, one graph served every capacity, but a pass ran about 10% slower. A first capacity of 1024
-# passes as fast (3.38-3.56 ms at 1 token and 4.38-4.39 at 6 after 128 positions, at 256, 2048 and 8192) and holds
-# chats to 1024 positions without a compilation: 24 MB a row for the embedded model's float16 cache
-# (benchmarks/results_between_passes_epyc_2026-11-28.txt)
+# doubled for 3 of the 64 everyday prompts (prompt + 128 tokens) and for a chat's later turns, stalling each width
+# they used. Its capacity marked dynamic, one graph served every capacity, but a pass ran about 10% slower. A first
+# capacity of 1024 passes as fast (3.38-3.56 ms at 1 token and 4.38-4.39 at 6 after 128 positions, at 256, 2048
+# and 8192) and holds chats to 1024 positions without a compilation: 24 MB a row for the embedded model's float16
+# cache (benchmarks/results_between_passes_epyc_2026-11-28.txt)
 COMPILED_CPU_CAPACITY = 1024
 
 
