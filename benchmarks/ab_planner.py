@@ -34,7 +34,10 @@ job of its own: two heads compared alike);
 ``pooled_ar``), ``tuned`` (the job as shipped, from the profile ``fuzzyspec tune`` would leave: ``tuning.measure`` after preparing,
 where every other variant starts from an empty one);
 ``norefresh`` (no plan drafts a 1-token chain to re-measure its pass, as before ``engine.REFRESH``, 2026-11-28);
-``pywrapper``, ``unfused`` and ``f32cache`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``, ``ar+f32cache``).
+``cap256`` (a compiled step's caches starting at 256 positions, as before 2026-11-28, afternoon: every capacity the
+prompts reach compiled ahead for it too);
+``pywrapper``, ``unfused``, ``f32cache`` and ``cap256`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``,
+``ar+f32cache``, ``ar+cap256``).
 The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
 With ``--context N`` each everyday prompt is asked as the last turn of a long chat: after whole exchanges of held-out
@@ -105,8 +108,16 @@ SHIPPED_KERNELS = kvcache.kernels
 DIRECT: dict = {}  # each EAGLE head step's direct calls, as ``prepare`` made them (``dynamohead`` sets them aside)
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
-OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3"}
+OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3", "cap256"}
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
+
+
+class FirstCapacity256(TargetStep):
+    """A target step whose caches start at 256 positions, compiled or not (``cap256``: as before 2026-11-28)."""
+
+    @property
+    def min_capacity(self) -> int:
+        return 256
 
 
 def mean_fold(measured: dict[int, float], x: int, ms: float) -> None:
@@ -255,7 +266,7 @@ def main() -> None:
     head.shipped_window = head.window
     HEADS.append(head)
     lm_head = pair.target.get_output_embeddings()
-    python_wrapper = float_cache = None
+    python_wrapper = float_cache = small_first = None
     for variant in variants:
         parts = variant.split("+")
         if not OWN_JOB & set(parts):
@@ -276,6 +287,10 @@ def main() -> None:
                 float_cache = TargetStep(pair.target, compile=step.compile)
                 float_cache.cache_dtype = torch.float32
             variant_step = float_cache
+        if "cap256" in parts:  # a step of its own (its own graphs) whose caches start at 256 positions
+            if small_first is None:
+                small_first = FirstCapacity256(pair.target, compile=step.compile)
+            variant_step = small_first
         variant_head = four_bit(head) if "q4head" in parts else head
         chosen = [n for n, part in enumerate(("head2", "head3")) if part in parts]
         if chosen:  # another head folder, loaded in the target's form as the shipped one is
@@ -320,13 +335,15 @@ def main() -> None:
     # every cache capacity the prompts' steps run at (the engine's: its first, doubled to hold the prompt, then the
     # answer)
     lengths = {ids.shape[1] + extra for ids in encoded for extra in (1, 1 + COMMON["max_new_tokens"])}
-    first = step.min_capacity
-    capacities = tuple(sorted({first} | {max(first, 1 << (length - 1).bit_length()) for length in lengths}))
+
+    def capacities(first: int) -> tuple[int, ...]:
+        return tuple(sorted({first} | {max(first, 1 << (length - 1).bit_length()) for length in lengths}))
+
     if step.compile:
-        tuning.prepare(job, job.config(**COMMON), capacities)
+        tuning.prepare(job, job.config(**COMMON), capacities(step.min_capacity))
         for variant in variants:  # a variant's own head or step compiles its own graphs, ahead as the shipped ones are
             if jobs[variant].step is not step:
-                tuning.prepare(jobs[variant], job.config(**COMMON), capacities)
+                tuning.prepare(jobs[variant], job.config(**COMMON), capacities(jobs[variant].step.min_capacity))
             elif jobs[variant].draft.prepare is not None and jobs[variant].draft is not source:
                 jobs[variant].draft.prepare(256)
     start = step.profile.to_dict()
