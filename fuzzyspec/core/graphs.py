@@ -28,6 +28,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+# Counts of calls not captured yet (``Graphs.met``) kept at most. Their keys hold addresses, which cannot tell a dead
+# cache's from a live one at the same address, so they are never pruned one by one: past this many (a long-running
+# server's caches come and go) they start again, which at worst delays a capture by ``patience`` calls.
+MET_LIMIT = 4096
+
 
 def lasting(tensor: Tensor) -> bool:
     """Whether ``tensor`` is marked as keeping its address (``torch._dynamo.mark_static_address``)."""
@@ -91,6 +96,8 @@ class Graphs:
         address = self._address(key, arguments)[0]
         if address in self.captured:
             return True
+        if len(self.met) >= MET_LIMIT and address not in self.met:
+            self.met.clear()
         self.met[address] = self.met.get(address, 0) + 1
         return self.met[address] > self.patience
 
@@ -103,6 +110,7 @@ class Graphs:
         fresh = captured is None
         if fresh:
             captured = self.captured[address] = self._capture(function, arguments, moving, kept)
+            self.met.pop(address, None)  # (counted no more: captured)
         torch._foreach_copy_(captured.inputs, [arguments[place] for place in moving])
         captured.graph.replay()
         return captured.outputs, fresh

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fuzzyspec.core import graphs as graphs_module
 from fuzzyspec.core.graphs import Graphs, split
 from fuzzyspec.core.kvcache import StaticCache
 
@@ -43,3 +44,20 @@ def test_a_key_goes_through_a_graph_from_the_call_after_its_patience():
     assert not graphs.ready(("tree", 4), (hidden, keys))
     assert not graphs.ready(("tree", 3), (torch.zeros(1, 2, 4), keys))
     assert Graphs().ready(("tree", 3), (hidden, keys))
+
+
+def test_the_counts_of_calls_not_captured_stay_bounded(monkeypatch):
+    """A server's caches come and go, each counted by its address until its key is captured: past ``MET_LIMIT``
+    counts they start again (a capture comes ``patience`` calls later, never sooner), so they cannot grow without
+    end."""
+    monkeypatch.setattr(graphs_module, "MET_LIMIT", 3)
+    graphs = Graphs(patience=1)
+    hidden = torch.zeros(1, 1, 4)
+    caches = [_marked(torch.zeros(1, 8)) for _ in range(7)]
+    first = caches[0]
+    assert not graphs.ready(("tree", 3), (hidden, first))
+    for cache in caches[1:]:
+        assert not graphs.ready(("tree", 3), (hidden, cache))
+        assert len(graphs.met) <= 3
+    assert not graphs.ready(("tree", 3), (hidden, first))  # its count started again
+    assert graphs.ready(("tree", 3), (hidden, first))
