@@ -69,7 +69,8 @@ class Server:
     def warm_up(self) -> None:
         """Compile the target's steps for one request of the server's defaults before the first client waits
         for it: every one-row shape its drafts may take (a compilation takes seconds to a minute on a small
-        CPU; longer caches and larger batches compile as they first occur)."""
+        CPU; caches past their first capacity, ``TargetStep.min_capacity``, and larger batches compile as they first
+        occur)."""
         from ..tuning import prepare
 
         config = self.pair.config(**{**self.config.defaults, "max_new_tokens": 8})
