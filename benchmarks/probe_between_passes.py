@@ -28,7 +28,8 @@ from fuzzyspec import tuning
 from fuzzyspec.api import ModelPair
 from fuzzyspec.core import engine
 from fuzzyspec.core.step import TargetStep
-from fuzzyspec.core.vocab import RoundedRows
+from fuzzyspec.core.kvcache import HEAD_CAPACITY
+from fuzzyspec.core.vocab import reduced_lm_head
 from fuzzyspec.drafters import eagle, head_step, lookup
 from fuzzyspec.tuning import machine
 
@@ -108,11 +109,10 @@ def after_reads(run, rounds: int) -> None:
 def head_after_pass(pair: ModelPair, run, rounds: int) -> None:
     head = pair.draft.module
     step = head_step.head_step(head, pair.target.get_input_embeddings())
-    step.prepare(256)
-    logits = eagle.head_logits(head, pair.target)
-    rows = next(c.cell_contents for c in logits.__closure__ if isinstance(c.cell_contents, RoundedRows))
+    step.prepare(HEAD_CAPACITY)
+    rows = reduced_lm_head(pair.target.get_output_embeddings(), head.vocab)  # (its draft rows, as drafting holds them)
     own = [b for b in head.buffers() if b.dtype == torch.uint8] + [rows.rows.packed]
-    cache = step.new_cache(256)
+    cache = step.new_cache(HEAD_CAPACITY)
     hidden = head.config.hidden_size
     step(cache, torch.zeros(1, 8, dtype=torch.long), torch.randn(1, 8, hidden), compiled=True)
     token, feature = torch.zeros(1, 1, dtype=torch.long), torch.randn(1, 1, hidden)
@@ -159,7 +159,8 @@ def main() -> None:
     after_reads(runs[1], args.rounds)
     print("3. the EAGLE head's calls after a target pass", flush=True)
     head_after_pass(pair, runs[1], args.rounds)
-    print(f"1. step anatomy in decoding ({args.prompts} everyday prompts x 128 greedy tokens, compiled int4)", flush=True)
+    print(f"1. step anatomy in decoding ({args.prompts} everyday prompts x 128 greedy tokens, compiled int4)",
+          flush=True)
     anatomy(pair, args.prompts)
 
 
