@@ -35,9 +35,10 @@ job of its own: two heads compared alike);
 where every other variant starts from an empty one);
 ``norefresh`` (no plan drafts a 1-token chain to re-measure its pass, as before ``engine.REFRESH``, 2026-11-28);
 ``cap256`` (a compiled step's caches starting at 256 positions, as before 2026-11-28, afternoon: every capacity the
-prompts reach compiled ahead for it too);
-``pywrapper``, ``unfused``, ``f32cache`` and ``cap256`` also join ``ar`` (``ar+pywrapper``, ``ar+unfused``,
-``ar+f32cache``, ``ar+cap256``).
+prompts reach compiled ahead for it too); ``dynamo`` (the target's compiled steps through dynamo with frozen weights,
+a graph per capacity, as before ``core.kept``, 2026-11-28, evening);
+``pywrapper``, ``unfused``, ``f32cache``, ``cap256`` and ``dynamo`` also join ``ar`` (``ar+pywrapper``,
+``ar+unfused``, ``ar+f32cache``, ``ar+cap256``, ``ar+dynamo``).
 The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
 With ``--context N`` each everyday prompt is asked as the last turn of a long chat: after whole exchanges of held-out
@@ -108,7 +109,8 @@ SHIPPED_KERNELS = kvcache.kernels
 DIRECT: dict = {}  # each EAGLE head step's direct calls, as ``prepare`` made them (``dynamohead`` sets them aside)
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
-OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3", "cap256"}
+OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3", "cap256",
+           "dynamo"}
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -118,6 +120,16 @@ class FirstCapacity256(TargetStep):
     @property
     def min_capacity(self) -> int:
         return 256
+
+
+class ThroughDynamo(TargetStep):
+    """A target step whose compiled graphs run through dynamo, with frozen weights, one per cache capacity
+    (``dynamo``: as before ``core.kept``, 2026-11-28, evening)."""
+
+    def _compiled_forward(self) -> step_module.Compiled:
+        if self._compiled is None:
+            self._compiled = step_module.Compiled(self.forward, self.model.get_input_embeddings().weight.device)
+        return self._compiled
 
 
 def mean_fold(measured: dict[int, float], x: int, ms: float) -> None:
@@ -266,7 +278,7 @@ def main() -> None:
     head.shipped_window = head.window
     HEADS.append(head)
     lm_head = pair.target.get_output_embeddings()
-    python_wrapper = float_cache = small_first = None
+    python_wrapper = float_cache = small_first = through_dynamo = None
     for variant in variants:
         parts = variant.split("+")
         if not OWN_JOB & set(parts):
@@ -291,6 +303,10 @@ def main() -> None:
             if small_first is None:
                 small_first = FirstCapacity256(pair.target, compile=step.compile)
             variant_step = small_first
+        if "dynamo" in parts:  # a step of its own whose graphs run through dynamo, as before core.kept
+            if through_dynamo is None:
+                through_dynamo = ThroughDynamo(pair.target, compile=step.compile)
+            variant_step = through_dynamo
         variant_head = four_bit(head) if "q4head" in parts else head
         chosen = [n for n, part in enumerate(("head2", "head3")) if part in parts]
         if chosen:  # another head folder, loaded in the target's form as the shipped one is

@@ -373,8 +373,8 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
     pair = ModelPair.load(args.target, draft, args.dtype, device, args.weights, compile, tp=tp)
     pair.step.on_compile = lambda rows, width: print(
         f"fuzzyspec: compiling the target's step for {rows} row{'s' if rows > 1 else ''} x {width} "
-        f"token{'s' if width > 1 else ''} (seconds: its code is kept on this machine, but each process traces it "
-        "again) ...", file=sys.stderr, flush=True)
+        f"token{'s' if width > 1 else ''} (seconds to a minute, once: it is kept on this machine for later runs) ...",
+        file=sys.stderr, flush=True)
     if compile and pair.draft is not None and pair.draft.prepare is not None:  # (an EAGLE head's own steps)
         from .core.kvcache import HEAD_CAPACITY
 

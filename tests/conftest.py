@@ -43,6 +43,16 @@ def _profiles_kept_apart(monkeypatch, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _compiled_steps_kept_for_the_session(monkeypatch, tmp_path_factory):
+    """The compiled steps the tests make are kept in a folder of this test session's (``core.kept``): shared by
+    its tests (tiny models of one structure compile once), never met by another session's."""
+    from fuzzyspec.core import kept
+
+    folder = tmp_path_factory.getbasetemp() / "kept-steps"
+    monkeypatch.setattr(kept, "folder", lambda: folder)
+
+
+@pytest.fixture(autouse=True)
 def _compiled_code_kept_in_one_place(monkeypatch):
     """A command run in the tests' process with --compile points inductor's cache into the fuzzyspec cache; the
     tests after it keep compiling where the session started, so graphs the tests share compile once."""

@@ -20,8 +20,10 @@ of the asked features [B, k, H].
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -36,6 +38,7 @@ from .attention import attend, runs as attention_runs
 from .cost import Profile
 from .graphs import Graphs
 from .int4 import holds_blocks, projection_groups
+from .kept import Kept, fingerprint, structure
 from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
 
@@ -305,14 +308,22 @@ MIN_CAPACITY = 256  # positions a new cache holds at least (it doubles when a ro
 # they used. Its capacity marked dynamic, one graph served every capacity, but a pass ran about 10% slower. A first
 # capacity of 1024 passes as fast (3.38-3.56 ms at 1 token and 4.38-4.39 at 6 after 128 positions, at 256, 2048
 # and 8192) and holds chats to 1024 positions without a compilation: 24 MB a row for the embedded model's float16
-# cache (benchmarks/results_between_passes_epyc_2026-11-28.txt)
+# cache (benchmarks/results_between_passes_epyc_2026-11-28.txt). Our own forward's CPU steps are kept graphs since
+# (``core.kept``), one for every capacity; transformers' forward still compiles a graph per capacity.
 COMPILED_CPU_CAPACITY = 1024
+# Our own forward's compiled CPU steps are kept on disk and called without dynamo (``core.kept``); false: dynamo's
+# graphs, with frozen weights, as before (``FUZZYSPEC_KEPT_STEPS=0``: to compare the two)
+KEEPS = os.environ.get("FUZZYSPEC_KEPT_STEPS", "1") != "0"
 
 
 class TargetStep:
     """The target and how its steps run: the forward (``make_forward``), eager, or compiled at a few fixed
     shapes (``compile``): a width is padded up to the next of ``widths`` and the rows to a power of two,
     so a handful of graphs serve every step. Prefills (prompts of any length) always run eagerly.
+
+    On the CPU our own forward's graphs are compiled ahead and kept on disk (``core.kept``): once per machine, one
+    for every cache capacity, called without dynamo. Such a call checks no guards, so its key holds everything
+    else a graph depends on, and the cache's tensors are always whole tensors of their own (``StaticCache``).
 
     On a GPU a compiled step is also captured as CUDA graphs (``graphs``; ``core.graphs``, by our own hand): a
     small model's step is otherwise bound by launching its hundreds of kernels one by one from Python."""
@@ -328,7 +339,7 @@ class TargetStep:
         on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
         self.compile, self.widths = compile, widths or (GPU_WIDTHS if on_gpu else WIDTHS)
         self.graphs = compile and graphs and on_gpu
-        self._compiled: Compiled | None = None
+        self._compiled: Compiled | Kept | None = None
         self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
         self._every_layer = tuple(range(self.layer_count + 1))
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
@@ -391,26 +402,79 @@ class TargetStep:
             write = positions.clone()
         tokens, positions, write, mask = (packed(t) for t in (tokens, positions, write, mask))
         slots = packed(slots) if slots is not None else None
-        call = (tuple(tokens.shape), tuple(mask.shape), tuple(cache.keys[0].shape), cache.keys[0].dtype,
-                None if slots is None else tuple(slots.shape), keep, torch.is_grad_enabled(),
-                torch.is_inference_mode_enabled())
-        if (*tokens.shape, cache.capacity) not in self._shapes and self.on_compile is not None:
+        runner = self._compiled_forward()
+        kept = isinstance(runner, Kept)  # (then one graph serves every capacity: it is not in the key)
+        capacity = None if kept else cache.capacity
+        call = (tuple(tokens.shape), tuple(mask.shape[:3]), tuple(cache.keys[0].shape[:2]), capacity,
+                cache.keys[0].shape[3], cache.keys[0].dtype, None if slots is None else tuple(slots.shape), keep,
+                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if (*tokens.shape, capacity) not in self._shapes and self.on_compile is not None \
+                and not (kept and runner.ready(call)):
             self.on_compile(*tokens.shape)
-        self._shapes.add((*tokens.shape, cache.capacity))
+        self._shapes.add((*tokens.shape, capacity))
         # One graph per shape serves every row, whichever layers its drafter reads: the graph returns every
         # layer's hidden state (each exists anyway, as the residual stream) and the caller's are picked here.
-        arguments = (cache, tokens, positions, write, mask, slots, keep, self._every_layer)
-        runner = self._compiled_forward()
-        logits, found = runner(call, *arguments)
+        if kept:
+            arguments = (self.forward, cache, tokens, positions, write, mask, slots, keep, self._every_layer)
+        else:
+            arguments = (cache, tokens, positions, write, mask, slots, keep, self._every_layer)
+        try:
+            logits, found = runner(call, *arguments)
+        except Exception as error:
+            if not kept or call in runner.calls:
+                raise
+            # A forward dynamo cannot compile whole, or a torch without ``aot_compile``: dynamo's graphs serve
+            warnings.warn(f"fuzzyspec: the target's step could not be compiled ahead ({type(error).__name__}: "
+                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); compiling it as "
+                          "each process meets it", stacklevel=2)
+            self._compiled = Compiled(self.forward, cache.device, self.graphs)
+            self._shapes.clear()
+            return self(cache, tokens, positions, write, mask, slots, keep, features, compiled)
         self.compiling = runner.compiling  # (then its time is not a step's)
         if self.graphs:  # a replay's outputs live in the graphs' memory, which the next replay overwrites
             return logits.clone(), {i: found[i].clone() for i in features}
         return logits, {i: found[i] for i in features}
 
-    def _compiled_forward(self) -> "Compiled":
+    def _compiled_forward(self) -> "Compiled | Kept":
+        """On the CPU, our own forward's steps compiled ahead and kept on disk (``core.kept``: once per machine, one
+        graph for every capacity, called without dynamo); else dynamo's graphs (on a GPU, captured)."""
         if self._compiled is None:
-            self._compiled = Compiled(self.forward, self.model.get_input_embeddings().weight.device, self.graphs)
+            device = self.model.get_input_embeddings().weight.device
+            if device.type == "cpu" and isinstance(self.forward, LlamaForward) and KEEPS:
+                self._compiled = Kept(any_capacity_step, fingerprint(structure(self.model), "target step"),
+                                      CPU_INDUCTOR, any_capacity)
+            else:
+                self._compiled = Compiled(self.forward, device, self.graphs)
         return self._compiled
+
+
+def any_capacity(arguments: tuple) -> tuple:
+    """``any_capacity_step``'s ``arguments`` as its graph is compiled from: the cache's tensors and the mask stood in
+    for by ones whose capacity is marked dynamic. (Marked in place, the cache's own tensors would not pass a kept
+    graph's guards when a later process loads it: dynamo refuses a tensor marked where it compiled an unmarked one,
+    and it saw these as unmarked.)"""
+    forward, cache, tokens, positions, write, mask, *rest = arguments
+    stand_in = copy.copy(cache)
+    with torch.inference_mode(cache.keys[0].is_inference()):  # (guards tell inference tensors apart)
+        stand_in.keys = [torch.empty_like(t) for t in cache.keys]
+        stand_in.values = [torch.empty_like(t) for t in cache.values]
+    with torch.inference_mode(mask.is_inference()):
+        mask = mask.clone()
+    for tensor, dim in [*((t, 2) for t in (*stand_in.keys, *stand_in.values)), (mask, 3)]:
+        torch._dynamo.mark_dynamic(tensor, dim)
+    return (forward, stand_in, tokens, positions, write, mask, *rest)
+
+
+def any_capacity_step(forward: LlamaForward, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor,
+                      mask: Tensor, slots: Tensor | None, keep: int, features: tuple[int, ...]
+                      ) -> tuple[Tensor, Features]:
+    """``forward``'s step as ``Kept`` compiles it. The forward is an argument, not a closure, so a kept graph holds
+    no model: the weights are read from the one passed. Every layer's cache capacity is told equal to the mask's:
+    dynamo gives each dynamic dimension a symbol of its own, and with 61 of them a pass cost about 0.2 ms more (the
+    symbols passed as tensors, one by one) than with one."""
+    for tensor in (*cache.keys, *cache.values):
+        torch._check(tensor.shape[2] == mask.shape[3])
+    return forward(cache, tokens, positions, write, mask, slots, keep, features)
 
 
 # How inductor builds a CPU step. Its wrapper, which calls a graph's kernels one after another, is C++ rather than

@@ -69,8 +69,8 @@ class Server:
     def warm_up(self) -> None:
         """Compile the target's steps for one request of the server's defaults before the first client waits
         for it: every one-row shape its drafts may take (a compilation takes seconds to a minute on a small
-        CPU; caches past their first capacity, ``TargetStep.min_capacity``, and larger batches compile as they first
-        occur)."""
+        CPU, once: on the CPU the graphs are kept, ``core.kept``, and serve every cache capacity; larger batches
+        compile as they first occur, or load where an earlier process kept them)."""
         from ..tuning import prepare
 
         config = self.pair.config(**{**self.config.defaults, "max_new_tokens": 8})

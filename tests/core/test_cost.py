@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from conftest import tiny_llama
+from fuzzyspec.core import kept
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.cost import (MEMORY, OUTSIDE, POPULATION_MEMORY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, TARGET, TRIALS,
                                   Acceptance, Option, Profile, context_band, copy_length, plan, population_key, speedup)
@@ -164,9 +165,10 @@ def test_the_engine_measures_what_it_has_not_seen():
     assert 1 in step.profile.target and len(step.profile.target) >= 2
 
 
-def test_a_compiled_steps_first_call_is_not_taken_for_its_cost():
+def test_a_compiled_steps_first_call_is_not_taken_for_its_cost(monkeypatch, tmp_path):
     """A call that compiles a graph takes seconds; recorded as a step's cost it would price that width out of
     every later plan (the schedule re-measures only what it runs). Only calls that ran a compiled graph count."""
+    monkeypatch.setattr(kept, "folder", lambda: tmp_path)  # (no graph kept by another test: this one compiles)
     step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 4))
     compiled_in = []
     step.on_compile = lambda rows, width: compiled_in.append((rows, width))
@@ -326,10 +328,12 @@ def test_the_engine_files_a_long_contexts_passes_in_its_band():
     assert set(step.profile.longer) == {1024} and 1 in step.profile.longer[1024] and not step.profile.target
 
 
-def test_prepare_compiles_every_shape_the_schedule_may_pick():
+def test_prepare_compiles_every_shape_the_schedule_may_pick(monkeypatch, tmp_path):
     """Compiled ahead, every width a tree row's drafts may take (each breadth, each depth), so that decoding
     under the cost schedule never stops to compile a one-row shape at that cache size."""
     from fuzzyspec import tuning
+
+    monkeypatch.setattr(kept, "folder", lambda: tmp_path)  # (no graph kept by another test: this one compiles)
 
     step = TargetStep(tiny_llama(seed=5), compile=True, widths=(1, 2, 4, 8, 16))
     compiled = []

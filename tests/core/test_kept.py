@@ -1,0 +1,77 @@
+"""Compiled steps kept on disk (``core.kept``): loaded by a later process instead of compiled, one graph for every
+cache capacity, and never a graph made from something else."""
+import pytest
+import torch
+
+from conftest import run_step as run, tiny_llama
+from fuzzyspec.core import kept
+from fuzzyspec.core.kept import Kept, fingerprint, structure
+from fuzzyspec.core.kvcache import StaticCache
+from fuzzyspec.core.step import TargetStep
+
+
+@pytest.fixture()
+def folder(monkeypatch, tmp_path):
+    monkeypatch.setattr(kept, "folder", lambda: tmp_path)
+    return tmp_path
+
+
+def answer(step: TargetStep, capacity: int = 16, grow_to: int | None = None) -> list[torch.Tensor]:
+    """The logits of a prompt's prefill (eager) and two compiled one-token steps, the cache grown in between."""
+    cache = StaticCache.for_model(step.model.config, 1, capacity, torch.float32, "cpu")
+    out = []
+    with torch.inference_mode():
+        run(step, cache, [[3, 9, 4]])
+        cache.lengths = [3]
+        out.append(run(step, cache, [[6]], compiled=True)[0])
+        if grow_to is not None:
+            cache.grow(capacity=grow_to)
+        cache.lengths = [4]
+        out.append(run(step, cache, [[11]], compiled=True)[0])
+    return out
+
+
+def test_a_later_process_loads_the_kept_graph_instead_of_compiling(folder, monkeypatch):
+    model = tiny_llama(seed=3)
+    first = TargetStep(model, compile=True)
+    expected = answer(first)
+    assert isinstance(first._compiled, Kept) and len(list(folder.rglob("*.bin"))) == 1
+
+    def refuse(*_):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(Kept, "_compile", refuse)
+    later = TargetStep(model, compile=True)  # (a new step knows no graph: as a new process)
+    noticed = []
+    later.on_compile = lambda rows, width: noticed.append((rows, width))
+    for got, want in zip(answer(later), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert noticed == []  # loading is not announced as a compilation
+
+
+def test_one_kept_graph_serves_every_capacity(folder):
+    model = tiny_llama(seed=3)
+    step = TargetStep(model, compile=True)
+    compiled = answer(step, capacity=16, grow_to=64)
+    assert len(step._compiled.calls) == 1 and not step._compiled.compiling  # the second call, at 64, compiled nothing
+    eager = answer(TargetStep(model), capacity=16, grow_to=64)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_kept_graph_that_does_not_load_is_compiled_anew(folder):
+    model = tiny_llama(seed=3)
+    expected = answer(TargetStep(model, compile=True))
+    for path in folder.rglob("*.bin"):
+        path.write_bytes(b"cut short")
+    again = TargetStep(model, compile=True)
+    for got, want in zip(answer(again), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert all(path.stat().st_size > 1000 for path in folder.rglob("*.bin"))  # (replaced)
+
+
+def test_graphs_are_kept_apart_by_the_models_structure_not_its_weights():
+    same = fingerprint(structure(tiny_llama(seed=3)))
+    assert fingerprint(structure(tiny_llama(seed=4))) == same  # other weights: the graph reads them as inputs
+    assert fingerprint(structure(tiny_llama(seed=3, layers=3))) != same
+    assert fingerprint(structure(tiny_llama(seed=3, hidden=48))) != same
+    assert fingerprint(structure(tiny_llama(seed=3)), "another function") != same
