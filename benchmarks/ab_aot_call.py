@@ -81,7 +81,7 @@ def report(calls: dict, repeats: int) -> None:
 def head_calls(pair: ModelPair, width: int) -> None:
     """The same comparison for the shipped EAGLE head's step (``HeadStep``: one decoder layer), after 99 cached
     positions of a 256-position cache: its call through dynamo (with the making of its inputs), against the direct
-    call ``HeadStep._compile_direct`` makes for that capacity (which ``prepare`` has made since 2026-11-27)."""
+    call of its kept graph (``core.kept``; a direct call of one capacity's graph since 2026-11-27)."""
     from fuzzyspec.core.kvcache import crop_to
     from fuzzyspec.drafters.head_step import head_step
 
@@ -99,18 +99,19 @@ def head_calls(pair: ModelPair, width: int) -> None:
             step(cache, tokens[:, 1: 1 + width], features[:, :width], compiled=True)
             crop_to(cache, 99)
         usual()
-        mask = torch.zeros(1, 1, width, cache.capacity, dtype=torch.bool)
-        mask[..., : 99 + width] = torch.ones(width, 99 + width, dtype=torch.bool).tril(99)
-        write = torch.arange(99, 99 + width)[None]
-        inputs = (cache.keys, cache.values, tokens[:, 1: 1 + width].clone(), features[:, :width].clone(), write.clone(),
-                  write, mask)
+        kept = step._kept  # (its calls' graphs, kept: ``core.kept``, since 2026-11-28; direct calls since 2026-11-27)
+        step._kept = None
         clock = time.perf_counter()
-        key = (width, features.dtype, cache.capacity)
-        direct = step._compile_direct(key, inputs)  # (as ``prepare`` makes it)
-        step._direct.pop(key)  # (the step's own calls then run dynamo's graph, as before)
-        print(f"\nEAGLE head, {width} token(s): compiled as a direct call in {time.perf_counter() - clock:.1f} s",
+        usual()  # (dynamo's graph, as before 2026-11-27)
+        print(f"\nEAGLE head, {width} token(s): dynamo's graph compiled in {time.perf_counter() - clock:.1f} s",
               flush=True)
-        report({"through dynamo (as before)": usual, "direct (HeadStep's since)": lambda: direct(*inputs)}, 100)
+
+        def kept_call():
+            step._kept = kept
+            usual()
+            step._kept = None
+        report({"through dynamo (as before)": usual, "kept, direct (HeadStep's since)": kept_call}, 100)
+        step._kept = kept
 
 
 if __name__ == "__main__":

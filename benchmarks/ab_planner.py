@@ -21,7 +21,7 @@ alone, never copying from the text, as before ``drafters.lookup.CopyFirst``), ``
 pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike after any context, as before
 ``cost.context_band``), ``nowindow`` (the EAGLE head reading the whole text, however long, as before
 ``drafters.eagle.trained_length``), ``dynamohead`` (the EAGLE head's compiled calls through dynamo at every
-capacity, as before ``HeadStep._compile_direct``, 2026-11-27), ``indexkeep`` (a tree's kept path moved in the
+capacity, as before its direct calls, 2026-11-27), ``indexkeep`` (a tree's kept path moved in the
 target's cache by two indexing operations a layer's tensor, as before ``layer_kernel.cpp``'s ``keep_columns``,
 2026-11-27), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit target's float16 cache,
 2026-11-27), ``head2``,
@@ -106,7 +106,7 @@ def pooled_ar(options, acceptances, profile, *args, **kwargs):
                           **kwargs)
     return [pick if pick != (0, 1) else fallback for pick, fallback in zip(picks, pooled)]
 SHIPPED_KERNELS = kvcache.kernels
-DIRECT: dict = {}  # each EAGLE head step's direct calls, as ``prepare`` made them (``dynamohead`` sets them aside)
+DIRECT: dict = {}  # each EAGLE head step's kept graphs (``core.kept``; ``dynamohead`` sets them aside)
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
 OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3", "cap256",
@@ -167,7 +167,7 @@ def apply(variant: str) -> dict:
     kvcache.kernels = SHIPPED_KERNELS
     for step in list(head_step_module._STEPS.values()):
         if isinstance(step, HeadStep):
-            step._direct = DIRECT.setdefault(step, step._direct)
+            step._kept = DIRECT.setdefault(step, step._kept)
     for head in HEADS:
         head.window = head.shipped_window
     options = {}
@@ -193,7 +193,7 @@ def apply(variant: str) -> dict:
             cost.PACE_SHARE, cost.PACE_CLAMP = 0.0, cost.STRIDE
         elif part == "dynamohead":  # the head's calls through dynamo, as before its direct calls (2026-11-27)
             for step in DIRECT:
-                step._direct = {}
+                step._kept = None
         elif part == "indexkeep":  # kept paths moved by indexing, as before keep_columns (2026-11-27)
             kvcache.kernels = types.SimpleNamespace(loaded=lambda: False)
         elif part == "norefresh":  # no plan re-measures a 1-token chain's pass, as before engine.REFRESH (2026-11-28)

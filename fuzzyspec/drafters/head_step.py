@@ -11,10 +11,10 @@ as the target's step (``core.step.decoder_layer``). Through transformers' decode
 eager operations and their Python around one token's worth of products: 1.06 ms of an 8.3 ms compiled int4 step
 on a 2-core CPU (a 1-token chain, 2026-11-26), and on a GPU each eager operation costs a launch. With fixed shapes
 the call compiles: at a few widths (T padded up, the padding written past ``length`` and never attended to), each
-graph serving every cache capacity (a dimension dynamo keeps symbolic), a call is one graph's run (on a GPU, CUDA
-graphs' replay). On the CPU the widths ``prepare`` compiles ahead are also compiled for its one capacity as calls
-that skip dynamo altogether (``_compile_direct``): its frame evaluation and cache lookup were about half of a
-one-token call's time.
+graph serving every cache capacity (a dimension kept symbolic), a call is one graph's run (on a GPU, CUDA graphs'
+replay). On the CPU the graphs are kept on disk and called without dynamo (``core.kept``: compiled once per
+machine, loaded by later processes): dynamo's frame evaluation and cache lookup were about half of a one-token
+call's time (0.277 ms against 0.084 called directly, 2026-11-27).
 
 ``ModuleStep`` calls any other head (EAGLE-3, or a layer family our step does not cover) as its own module does,
 over a ``DraftCache``.
@@ -22,8 +22,8 @@ over a ``DraftCache``.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from ..core.graphs import Graphs
 from ..core.host import upload
 from ..core.kvcache import DraftCache, HeadCache
-from ..core.step import Compiled, Heads, decoder_layer, llama_layers, packed
+from ..core.kept import Kept, fingerprint, structure
+from ..core.step import CPU_INDUCTOR, KEEPS, Compiled, Heads, decoder_layer, llama_layers, packed
 from .eagle_head import EagleHead
 
 WIDTHS = (1, 2, 4, 8)  # compiled widths of a head call: a chain step (1), the accepted tokens, a tree level
@@ -73,10 +74,9 @@ class HeadStep:
         self.dtype, self.device = weight.dtype, weight.device
         self.graphs = weight.device.type == "cuda"
         self._compiled: Compiled | None = None  # its calls keyed by (width, features' dtype)
-        # On the CPU, the calls ``prepare`` compiled for one capacity, called without dynamo (``_compile_direct``),
-        # keyed by (width, features' dtype, capacity)
-        self._direct: dict[tuple, Callable] = {}
-        self._preparing = False
+        # On the CPU, the same calls kept on disk and called without dynamo (None: through dynamo's graphs)
+        self._kept = Kept(_head_call, fingerprint(structure(head), structure(embed), "eagle head step"), CPU_INDUCTOR,
+                          _any_capacity) if weight.device.type == "cpu" and KEEPS else None
         self._free: list[HeadCache] = []  # caches whose drafters are gone (``borrow_cache``)
         # On a GPU, EAGLE-2 trees' whole growth, captured per shape and cache, from a shape's third growth on
         # (``EagleDrafter._tree``)
@@ -147,15 +147,11 @@ class HeadStep:
         if padded is None:
             hidden = self.forward(*arguments)
         else:
-            if self._compiled is None:
-                self._compiled = Compiled(self.forward, self.device, self.graphs)
             arguments = tuple(packed(t) for t in arguments)  # (a slice's strides would compile a graph of its own)
-            direct = self._direct.get((run, features.dtype, cache.capacity))
-            if direct is None and self._preparing and not self.graphs:
-                direct = self._compile_direct((run, features.dtype, cache.capacity), arguments)
-            if direct is not None:
-                hidden = direct(*arguments)
-            else:
+            hidden = self._kept_call((run, features.dtype), arguments) if self._kept is not None else None
+            if hidden is None:
+                if self._compiled is None:
+                    self._compiled = Compiled(self.forward, self.device, self.graphs)
                 # One graph serves every capacity: the cache's length is a symbol in it (a long prompt's cache,
                 # doubled past the capacities compiled ahead, otherwise compiled anew inside its answer)
                 for tensor, dim in ((arguments[0], 2), (arguments[1], 2), (arguments[-1], 3)):
@@ -170,46 +166,28 @@ class HeadStep:
             cache.length = start + width
         return hidden[:, :width]
 
-    def _compile_direct(self, key: tuple, arguments: tuple) -> Callable | None:
-        """``forward`` compiled for exactly these inputs' shapes, dtypes and layout (one capacity), as a function
-        called without dynamo: no frame evaluation, no cache lookup, no guards. A one-token head call took 0.084 ms
-        so against 0.277 through dynamo on a 2-core EPYC (``benchmarks/ab_aot_call.py``, 2026-11-27), and a tree step
-        makes five. Guards are what would refuse a call the function was not compiled for, so only a call
-        whose ``key`` (width, features' dtype, capacity) matches reaches it; ``__call__`` makes every other input
-        alike (packed, int64 tokens and positions, a bool mask, the cache's dtype). Without frozen weights (their code
-        is not cached between processes this way): the head's products are our kernels' or small. None where this
-        torch cannot (then dynamo's graph serves)."""
-        from torch._inductor import config as inductor
-
-        from ..core.step import CPU_INDUCTOR
-
-        layer = _Layer(self)  # (the compilation pickles its guards' state: not this step's other compiled calls)
+    def _kept_call(self, key: tuple, arguments: tuple) -> Tensor | None:
+        """The kept graph's result for ``key`` (width, features' dtype), or None where the head cannot be compiled
+        ahead (then, for good, dynamo's graphs serve)."""
         try:
-            fresh = tuple(tensor.clone() for tensor in arguments)  # (not marked dynamic: one capacity)
-            with inductor.patch(freezing=False):
-                compiled = torch.compile(layer.forward, fullgraph=True, dynamic=False, options=CPU_INDUCTOR)
-                direct = compiled.aot_compile((fresh, {}))
-            direct.disable_guard_check()
-        except Exception:  # (an older torch without aot_compile, or a refusal: the dynamo graph is as correct)
+            return self._kept(key, _Layer(self), *arguments)
+        except Exception as error:
+            if key in self._kept.calls:
+                raise
+            warnings.warn(f"fuzzyspec: the EAGLE head's step could not be compiled ahead ({type(error).__name__}); "
+                          "compiling it as each process meets it", stacklevel=3)
+            self._kept = None
             return None
-        self._direct[key] = lambda *inputs: direct(layer, *inputs)
-        return self._direct[key]
 
     @torch.inference_mode()  # (as decoding's inputs are made: graphs tell inference tensors apart)
     def prepare(self, capacity: int) -> None:
-        """Compile ahead every width at a cache of ``capacity`` positions; on the CPU also as direct calls at that
-        capacity (``_compile_direct``)."""
+        """Compile ahead (or load, where kept) every width, at a cache of ``capacity`` positions: each graph serves
+        every capacity."""
         features = self.head.config.hidden_size
-        try:
-            for width in WIDTHS:
-                for direct in (False, True):  # (dynamo's graph first: every other capacity's)
-                    self._preparing = direct
-                    cache = self.new_cache(capacity)
-                    tokens = torch.zeros(1, width, dtype=torch.long, device=self.device)
-                    self(cache, tokens, torch.zeros(1, width, features, dtype=self.dtype, device=self.device),
-                         compiled=True)
-        finally:
-            self._preparing = False
+        for width in WIDTHS:
+            cache = self.new_cache(capacity)
+            tokens = torch.zeros(1, width, dtype=torch.long, device=self.device)
+            self(cache, tokens, torch.zeros(1, width, features, dtype=self.dtype, device=self.device), compiled=True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -235,12 +213,32 @@ def _mask_on_device(write: Tensor, width: int, allowed: Tensor, capacity: int) -
 
 
 class _Layer:
-    """What ``HeadStep.forward`` reads, and nothing else of the step."""
+    """What ``HeadStep.forward`` reads, and nothing else of the step (a kept graph's guards hold its state)."""
 
     forward = HeadStep.forward
 
     def __init__(self, step: HeadStep) -> None:
         self.head, self.embed, self.heads, self.dtype = step.head, step.embed, step.heads, step.dtype
+
+
+def _head_call(layer: _Layer, keys: Tensor, values: Tensor, tokens: Tensor, features: Tensor, positions: Tensor,
+               write: Tensor, mask: Tensor) -> Tensor:
+    """``HeadStep.forward`` as ``Kept`` compiles it: the cache's capacity told equal to the mask's (one symbol)."""
+    torch._check(keys.shape[2] == mask.shape[3])
+    torch._check(values.shape[2] == mask.shape[3])
+    return layer.forward(keys, values, tokens, features, positions, write, mask)
+
+
+def _any_capacity(arguments: tuple) -> tuple:
+    """``_head_call``'s arguments as its graph is compiled from: stand-ins for the cache and the mask whose capacity
+    is marked dynamic (``step.any_capacity`` says why not the cache's own)."""
+    layer, keys, values, *middle, mask = arguments
+    stand_ins = []
+    for tensor, dim in ((keys, 2), (values, 2), (mask, 3)):
+        with torch.inference_mode(tensor.is_inference()):  # (guards tell inference tensors apart)
+            stand_ins.append(torch.empty_like(tensor))
+        torch._dynamo.mark_dynamic(stand_ins[-1], dim)
+    return (layer, stand_ins[0], stand_ins[1], *middle, stand_ins[2])
 
 
 _STEPS: "weakref.WeakKeyDictionary[nn.Module, HeadStep | ModuleStep]" = weakref.WeakKeyDictionary()

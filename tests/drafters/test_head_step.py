@@ -3,6 +3,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import tiny_llama
+from fuzzyspec.core import kept
 from fuzzyspec.core.kvcache import HEAD_CAPACITY, DraftCache, crop_to
 from fuzzyspec.core.vocab import DraftVocab
 from fuzzyspec.drafters.eagle3 import make_eagle3
@@ -64,7 +65,7 @@ def test_head_step_equals_the_heads_own_layer(model, head, compiled):
         calls(step, step.new_cache(), tokens, features, compiled)
     assert cache.capacity == 2 * HEAD_CAPACITY and cache.length == HEAD_CAPACITY + 2 and grown.shape[1] == 3
     if compiled:  # shapes met again compile nothing: not a larger cache, nor slices of a longer row (their strides)
-        assert {width for width, _ in step._compiled.seen} <= set(WIDTHS)
+        assert {width for width, _ in step._kept.calls} <= set(WIDTHS)
         assert counters["stats"]["unique_graphs"] == graphs
 
 
@@ -143,28 +144,31 @@ def test_a_gone_drafters_cache_serves_the_next_one(model, head):
     assert step.borrow_cache(Owner()) is not b  # (b's owner is alive)
 
 
-def test_prepared_widths_are_called_without_dynamo_and_give_the_same_outputs(model, head):
-    """``prepare`` compiles every width at its capacity as a direct call (no dynamo, no guards): the calls a drafter
-    makes at that capacity go through them, give the eager step's outputs, and compile nothing more; a cache of
-    another capacity still runs dynamo's graph."""
+def test_prepared_widths_are_kept_graphs_for_every_capacity_and_give_the_same_outputs(model, head, tmp_path,
+                                                                                     monkeypatch):
+    """``prepare`` compiles every width ahead as a kept graph (``core.kept``: no dynamo, no guards, one graph for
+    every capacity): a drafter's calls, at the prepared capacity and past it, give the eager step's outputs and
+    compile nothing more; a later step of the same head loads the graphs instead of compiling them."""
+    monkeypatch.setattr(kept, "folder", lambda: tmp_path)
     embed = model.get_input_embeddings()
     step = HeadStep(head, embed)
     step.prepare(HEAD_CAPACITY)
-    keys = {(width, torch.float32, HEAD_CAPACITY) for width in WIDTHS}
-    assert set(step._direct) == keys
-    used = []
-    for key in keys:
-        step._direct[key] = lambda *inputs, call=step._direct[key], key=key: used.append(key) or call(*inputs)
+    assert set(step._kept.calls) == {(width, torch.float32) for width in WIDTHS}
     tokens = torch.randint(0, V, (1, 43), generator=torch.Generator().manual_seed(0))
     features = torch.randn(1, 43, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         graphs = counters["stats"]["unique_graphs"]
         ours = calls(step, step.new_cache(), tokens, features, True)
-        assert counters["stats"]["unique_graphs"] == graphs
+        longer = step(step.new_cache(2 * HEAD_CAPACITY), tokens[:, :1], features[:, :1], compiled=True)
+        assert counters["stats"]["unique_graphs"] == graphs and len(step._kept.calls) == len(WIDTHS)
         eager = calls(step, step.new_cache(), tokens, features, False)
         for a, b in zip(ours, eager):
             assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
-        assert {key[0] for key in used} == {1, 2, 4}  # (the calls' widths: 39, past every compiled one, 1, 2, 3)
-        used.clear()
-        step(step.new_cache(2 * HEAD_CAPACITY), tokens[:, :1], features[:, :1], compiled=True)
-    assert not used
+        assert torch.allclose(longer, step(step.new_cache(), tokens[:, :1], features[:, :1]), atol=1e-5)
+
+    def refuse(*_):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(kept.Kept, "_compile", refuse)
+    later = HeadStep(head, embed)
+    later.prepare(HEAD_CAPACITY)
+    assert later._kept is not None and set(later._kept.calls) == set(step._kept.calls)
