@@ -12,7 +12,7 @@ the caller's ``key`` must tell apart every call that one graph cannot serve. Dim
 stand-ins a graph is compiled from stay symbols in it: the target's cache capacity, so one graph serves every
 capacity and a cache that doubles compiles nothing.
 
-An artifact's name holds what its graph was made from: torch's version, this package's core sources, the CPU's
+An artifact's name holds what its graph was made from: torch's version, this package's sources, the CPU's
 instruction sets, the model's structure (its config, and every parameter's and buffer's name, shape and dtype, not
 their values: the weights are inputs of the graph, read from the model the caller passes) and the call's key.
 
@@ -33,8 +33,10 @@ from torch import nn
 
 from . import kernels
 
-CORE = Path(__file__).parent
-SOURCES = sorted(p for p in CORE.iterdir() if p.suffix in (".py", ".cpp", ".h"))
+PACKAGE = Path(__file__).parent.parent
+# (all of the package's code, not only the core's: a head's step is written in ``drafters``, and a graph kept from
+# other code would run that code, unchecked: its guards see the inputs, not the source)
+SOURCES = sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cpp", ".h"))
 
 
 def folder() -> Path:
@@ -57,7 +59,7 @@ def structure(model: nn.Module) -> str:
 
 def fingerprint(*parts: str) -> str:
     """A name for graphs made from ``parts`` (a model's ``structure``, a function's name) by this torch, this
-    package's core sources and this CPU's kernels."""
+    package's sources and this CPU's kernels."""
     digest = hashlib.sha256()
     try:
         isa = kernels.isa()

@@ -77,6 +77,7 @@ class HeadStep:
         # On the CPU, the same calls kept on disk and called without dynamo (None: through dynamo's graphs)
         self._kept = Kept(_head_call, fingerprint(structure(head), structure(embed), "eagle head step"), CPU_INDUCTOR,
                           _any_capacity) if weight.device.type == "cpu" and KEEPS else None
+        self._layer = _Layer(self)  # (what a kept graph reads)
         self._free: list[HeadCache] = []  # caches whose drafters are gone (``borrow_cache``)
         # On a GPU, EAGLE-2 trees' whole growth, captured per shape and cache, from a shape's third growth on
         # (``EagleDrafter._tree``)
@@ -170,7 +171,7 @@ class HeadStep:
         """The kept graph's result for ``key`` (width, features' dtype), or None where the head cannot be compiled
         ahead (then, for good, dynamo's graphs serve)."""
         try:
-            return self._kept(key, _Layer(self), *arguments)
+            return self._kept(key, self._layer, *arguments)
         except Exception as error:
             if key in self._kept.calls:
                 raise
