@@ -65,12 +65,15 @@ def test_trees_need_an_eagle_head(capsys, tiny_dirs):
                   "--tree needs a drafter that drafts trees")
 
 
-def test_a_compiled_generate_compiles_the_eagle_heads_step_first(capsys, tiny_dirs, tmp_path):
+def test_a_compiled_generate_compiles_the_eagle_heads_step_first(capsys, tiny_dirs, tmp_path, monkeypatch):
     """With --compile an EAGLE head's own steps compile before the answer, with a line saying so (the target's
     shapes then compile as the answer meets them, each with its own line)."""
     from transformers import AutoModelForCausalLM
 
+    from fuzzyspec.core import kept
     from fuzzyspec.drafters.eagle_head import EagleHead
+
+    monkeypatch.setattr(kept, "folder", lambda: tmp_path / "kept")  # (no graph another test kept: each compiles)
 
     torch.manual_seed(0)
     EagleHead.for_target(AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])).save(tmp_path / "head")

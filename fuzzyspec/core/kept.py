@@ -16,9 +16,10 @@ An artifact's name holds what its graph was made from: torch's version, this pac
 instruction sets, the model's structure (its config, and every parameter's and buffer's name, shape and dtype, not
 their values: the weights are inputs of the graph, read from the model the caller passes) and the call's key.
 
-Measured on the 2-core EPYC (2026-11-28, the embedded 4-bit target, a cache of 1024 positions): a 1-token pass took
-3.36 ms called so, against 3.58 through dynamo with frozen weights (the way before); one graph for every capacity,
-3.46 ms. Weights are not frozen here (``aot_compile`` does not take them), which cost dynamo's calls about 13%.
+Measured on the 2-core EPYC (2026-11-28, the embedded 4-bit target, ``benchmarks/bench_kept.py``): a 1-token pass
+took 3.76 ms called so, one graph for every capacity, against 3.92 through dynamo with frozen weights (the way
+before), and preparing the default job's 10 graphs (the target's and its EAGLE head's) in a later process 4.3 s
+against 42 s. Weights are not frozen here (``aot_compile`` does not take them), which cost dynamo's calls about 13%.
 """
 from __future__ import annotations
 
