@@ -23,6 +23,7 @@ against 42 s. Weights are not frozen here (``aot_compile`` does not take them), 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import warnings
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from . import kernels
 
@@ -46,6 +47,17 @@ def folder() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "fuzzyspec-steps"
+
+
+def marked_like(tensor: Tensor, dim: int) -> Tensor:
+    """A stand-in for ``tensor`` for a graph to be compiled from (its values unset), with ``dim`` marked dynamic.
+    Marked in place, the caller's own tensor would not pass a kept graph's guards when a later process loads it:
+    dynamo refuses a tensor marked where it compiled an unmarked one. Made in the tensor's inference mode, which
+    the guards tell apart too."""
+    with torch.inference_mode(tensor.is_inference()):
+        stand_in = torch.empty_like(tensor)
+    torch._dynamo.mark_dynamic(stand_in, dim)
+    return stand_in
 
 
 def structure(model: nn.Module) -> str:
@@ -66,11 +78,19 @@ def fingerprint(*parts: str) -> str:
         isa = kernels.isa()
     except StopIteration:  # (no x86 instruction set the kernels know)
         isa = ""
-    for part in (torch.__version__, f"{sys.version_info[:2]}", torch.backends.cpu.get_cpu_capability(), isa, *parts):
+    for part in (torch.__version__, f"{sys.version_info[:2]}", torch.backends.cpu.get_cpu_capability(), isa,
+                 _sources(), *parts):
         digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:20]
+
+
+@functools.cache
+def _sources() -> str:
+    """The digest of ``SOURCES``, read once a process."""
+    digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    return digest.hexdigest()[:20]
+    return digest.hexdigest()
 
 
 class Kept:

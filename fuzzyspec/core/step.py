@@ -38,7 +38,7 @@ from .attention import attend, runs as attention_runs
 from .cost import Profile
 from .graphs import Graphs
 from .int4 import holds_blocks, projection_groups
-from .kept import Kept, fingerprint, structure
+from .kept import Kept, fingerprint, marked_like, structure
 from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
 
@@ -450,19 +450,12 @@ class TargetStep:
 
 def any_capacity(arguments: tuple) -> tuple:
     """``any_capacity_step``'s ``arguments`` as its graph is compiled from: the cache's tensors and the mask stood in
-    for by ones whose capacity is marked dynamic. (Marked in place, the cache's own tensors would not pass a kept
-    graph's guards when a later process loads it: dynamo refuses a tensor marked where it compiled an unmarked one,
-    and it saw these as unmarked.)"""
+    for by ones whose capacity is marked dynamic (``kept.marked_like``)."""
     forward, cache, tokens, positions, write, mask, *rest = arguments
     stand_in = copy.copy(cache)
-    with torch.inference_mode(cache.keys[0].is_inference()):  # (guards tell inference tensors apart)
-        stand_in.keys = [torch.empty_like(t) for t in cache.keys]
-        stand_in.values = [torch.empty_like(t) for t in cache.values]
-    with torch.inference_mode(mask.is_inference()):
-        mask = mask.clone()
-    for tensor, dim in [*((t, 2) for t in (*stand_in.keys, *stand_in.values)), (mask, 3)]:
-        torch._dynamo.mark_dynamic(tensor, dim)
-    return (forward, stand_in, tokens, positions, write, mask, *rest)
+    stand_in.keys = [marked_like(t, 2) for t in cache.keys]
+    stand_in.values = [marked_like(t, 2) for t in cache.values]
+    return (forward, stand_in, tokens, positions, write, marked_like(mask, 3), *rest)
 
 
 def any_capacity_step(forward: LlamaForward, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor,

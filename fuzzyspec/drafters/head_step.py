@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..core.graphs import Graphs
 from ..core.host import upload
 from ..core.kvcache import DraftCache, HeadCache
-from ..core.kept import Kept, fingerprint, structure
+from ..core.kept import Kept, fingerprint, marked_like, structure
 from ..core.step import CPU_INDUCTOR, KEEPS, Compiled, Heads, decoder_layer, llama_layers, packed
 from .eagle_head import EagleHead
 
@@ -232,14 +232,9 @@ def _head_call(layer: _Layer, keys: Tensor, values: Tensor, tokens: Tensor, feat
 
 def _any_capacity(arguments: tuple) -> tuple:
     """``_head_call``'s arguments as its graph is compiled from: stand-ins for the cache and the mask whose capacity
-    is marked dynamic (``step.any_capacity`` says why not the cache's own)."""
+    is marked dynamic (``kept.marked_like``)."""
     layer, keys, values, *middle, mask = arguments
-    stand_ins = []
-    for tensor, dim in ((keys, 2), (values, 2), (mask, 3)):
-        with torch.inference_mode(tensor.is_inference()):  # (guards tell inference tensors apart)
-            stand_ins.append(torch.empty_like(tensor))
-        torch._dynamo.mark_dynamic(stand_ins[-1], dim)
-    return (layer, stand_ins[0], stand_ins[1], *middle, stand_ins[2])
+    return (layer, marked_like(keys, 2), marked_like(values, 2), *middle, marked_like(mask, 3))
 
 
 _STEPS: "weakref.WeakKeyDictionary[nn.Module, HeadStep | ModuleStep]" = weakref.WeakKeyDictionary()
