@@ -15,6 +15,7 @@ capacity and a cache that doubles compiles nothing.
 An artifact's name holds what its graph was made from: torch's version, this package's sources, the CPU's
 instruction sets, the model's structure (its config, and every parameter's and buffer's name, shape and dtype, not
 their values: the weights are inputs of the graph, read from the model the caller passes) and the call's key.
+A graph no process has loaded or compiled for ``UNUSED_DAYS`` is deleted (``prune``, after each compilation).
 
 Measured on the 2-core EPYC (2026-11-28, the embedded 4-bit target, ``benchmarks/bench_kept.py``): a 1-token pass
 took 3.76 ms called so, one graph for every capacity, against 3.92 through dynamo with frozen weights (the way
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -39,6 +42,14 @@ PACKAGE = Path(__file__).parent.parent
 # (all of the package's code, not only the core's: a head's step is written in ``drafters``, and a graph kept from
 # other code would run that code, unchecked: its guards see the inputs, not the source)
 SOURCES = sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cpp", ".h"))
+# A kept graph that no process has loaded or compiled for this long is deleted: each new torch, version of this
+# package or model names new graphs (about 3 MB a width for the embedded target), and the old would stay forever.
+UNUSED_DAYS = 30
+
+
+class NotKept(RuntimeError):
+    """A ``Kept`` function's first graph for a call could not be compiled ahead: a function dynamo cannot compile
+    whole, or a torch without ``aot_compile``. The caller falls back to dynamo's graphs, compiled in each process."""
 
 
 def folder() -> Path:
@@ -96,12 +107,13 @@ def _sources() -> str:
 class Kept:
     """``function`` compiled ahead for each call ``key`` it meets (``aot_compile``, one graph per key, compiled from
     ``stand_ins(arguments)`` where given: the dimensions marked dynamic there stay symbols), kept in
-    ``folder() / name`` and loaded from there by a later process.
+    ``folder() / name`` and loaded from there by a later process. Where a first graph cannot be compiled it warns,
+    naming ``what`` it compiles, and raises ``NotKept``.
     ``compiling`` says whether the last call compiled or loaded a graph (its time is then not a step's)."""
 
-    def __init__(self, function: Callable, name: str, options: dict | None = None,
+    def __init__(self, function: Callable, name: str, what: str, options: dict | None = None,
                  stand_ins: Callable[[tuple], tuple] | None = None) -> None:
-        self.function, self.name, self.options = function, name, options
+        self.function, self.name, self.what, self.options = function, name, what, options
         self.stand_ins = stand_ins  # a call's arguments as its graph is compiled from (where dimensions are marked)
         self.calls: dict[tuple, Callable] = {}
         self.compiling = False
@@ -117,7 +129,13 @@ class Kept:
         direct = self.calls.get(key)
         self.compiling = direct is None
         if direct is None:
-            direct = self._load(key, arguments) or self._compile(key, arguments)
+            try:
+                direct = self._load(key, arguments) or self._compile(key, arguments)
+            except Exception as error:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                warnings.warn(f"fuzzyspec: {self.what} could not be compiled ahead ({type(error).__name__}: {first}); "
+                              "compiling it as each process meets it", stacklevel=3)
+                raise NotKept(self.what) from error
             direct.disable_guard_check()  # (checked: this call's, against the graph)
             self.calls[key] = direct
         return direct(*arguments)
@@ -130,6 +148,7 @@ class Kept:
             with open(path, "rb") as file:
                 direct = torch.compiler.load_compiled_function(file)
             if direct.guard_check(*arguments):
+                _used(path)
                 return direct
         except Exception:  # (a file cut short, or one of another make: compiled anew below, and replaced)
             pass
@@ -147,4 +166,32 @@ class Kept:
             direct.save_compiled_function(str(path))
         except Exception as error:  # (an unwritable cache: this process keeps it all the same)
             warnings.warn(f"fuzzyspec: a compiled step could not be kept in {path.parent}: {error}", stacklevel=2)
+        prune()  # (after a compilation, when a new name's graphs appear; a few files' dates, against seconds)
         return direct
+
+
+def _used(path: Path) -> None:
+    """Mark a kept graph used now (its modification time), so that ``prune`` keeps it."""
+    try:
+        os.utime(path)
+    except OSError:  # (a cache this process may read but not write)
+        pass
+
+
+def prune(days: float = UNUSED_DAYS) -> list[Path]:
+    """Delete the kept graphs that no process has loaded or compiled for ``days``, and the folders left empty;
+    return the graphs deleted."""
+    limit, deleted = time.time() - days * 86400, []
+    for path in folder().glob("*/*.bin"):
+        try:
+            if path.stat().st_mtime < limit:
+                path.unlink()
+                deleted.append(path)
+        except OSError:  # (gone already, or not ours to delete)
+            pass
+    for parent in {path.parent for path in deleted}:
+        try:
+            parent.rmdir()
+        except OSError:  # (not empty)
+            pass
+    return deleted

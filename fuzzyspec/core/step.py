@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import os
 import threading
-import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -38,7 +37,7 @@ from .attention import attend, runs as attention_runs
 from .cost import Profile
 from .graphs import Graphs
 from .int4 import holds_blocks, projection_groups
-from .kept import Kept, fingerprint, marked_like, structure
+from .kept import Kept, NotKept, fingerprint, marked_like, structure
 from .kvcache import StaticCache, cache_keyword
 from .parallel import shards
 
@@ -420,13 +419,7 @@ class TargetStep:
             arguments = (cache, tokens, positions, write, mask, slots, keep, self._every_layer)
         try:
             logits, found = runner(call, *arguments)
-        except Exception as error:
-            if not kept or call in runner.calls:
-                raise
-            # A forward dynamo cannot compile whole, or a torch without ``aot_compile``: dynamo's graphs serve
-            warnings.warn(f"fuzzyspec: the target's step could not be compiled ahead ({type(error).__name__}: "
-                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); compiling it as "
-                          "each process meets it", stacklevel=2)
+        except NotKept:  # (warned) dynamo's graphs serve instead, for good
             self._compiled = Compiled(self.forward, cache.device, self.graphs)
             self._shapes.clear()
             return self(cache, tokens, positions, write, mask, slots, keep, features, compiled)
@@ -442,7 +435,7 @@ class TargetStep:
             device = self.model.get_input_embeddings().weight.device
             if device.type == "cpu" and isinstance(self.forward, LlamaForward) and KEEPS:
                 self._compiled = Kept(any_capacity_step, fingerprint(structure(self.model), "target step"),
-                                      CPU_INDUCTOR, any_capacity)
+                                      "the target's step", CPU_INDUCTOR, any_capacity)
             else:
                 self._compiled = Compiled(self.forward, device, self.graphs)
         return self._compiled

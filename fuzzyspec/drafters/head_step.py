@@ -22,7 +22,6 @@ over a ``DraftCache``.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 
 import torch
@@ -31,7 +30,7 @@ from torch import Tensor, nn
 from ..core.graphs import Graphs
 from ..core.host import upload
 from ..core.kvcache import DraftCache, HeadCache
-from ..core.kept import Kept, fingerprint, marked_like, structure
+from ..core.kept import Kept, NotKept, fingerprint, marked_like, structure
 from ..core.step import CPU_INDUCTOR, KEEPS, Compiled, Heads, decoder_layer, llama_layers, packed
 from .eagle_head import EagleHead
 
@@ -75,8 +74,9 @@ class HeadStep:
         self.graphs = weight.device.type == "cuda"
         self._compiled: Compiled | None = None  # its calls keyed by (width, features' dtype)
         # On the CPU, the same calls kept on disk and called without dynamo (None: through dynamo's graphs)
-        self._kept = Kept(_head_call, fingerprint(structure(head), structure(embed), "eagle head step"), CPU_INDUCTOR,
-                          _any_capacity) if weight.device.type == "cpu" and KEEPS else None
+        self._kept = Kept(_head_call, fingerprint(structure(head), structure(embed), "eagle head step"),
+                          "the EAGLE head's step", CPU_INDUCTOR, _any_capacity) \
+            if weight.device.type == "cpu" and KEEPS else None
         self._layer = _Layer(self)  # (what a kept graph reads)
         self._free: list[HeadCache] = []  # caches whose drafters are gone (``borrow_cache``)
         # On a GPU, EAGLE-2 trees' whole growth, captured per shape and cache, from a shape's third growth on
@@ -172,11 +172,7 @@ class HeadStep:
         ahead (then, for good, dynamo's graphs serve)."""
         try:
             return self._kept(key, self._layer, *arguments)
-        except Exception as error:
-            if key in self._kept.calls:
-                raise
-            warnings.warn(f"fuzzyspec: the EAGLE head's step could not be compiled ahead ({type(error).__name__}); "
-                          "compiling it as each process meets it", stacklevel=3)
+        except NotKept:  # (warned)
             self._kept = None
             return None
 

@@ -1,5 +1,8 @@
 """Compiled steps kept on disk (``core.kept``): loaded by a later process instead of compiled, one graph for every
 cache capacity, and never a graph made from something else."""
+import os
+import time
+
 import pytest
 import torch
 
@@ -75,3 +78,34 @@ def test_graphs_are_kept_apart_by_the_models_structure_not_its_weights():
     assert fingerprint(structure(tiny_llama(seed=3, layers=3))) != same
     assert fingerprint(structure(tiny_llama(seed=3, hidden=48))) != same
     assert fingerprint(structure(tiny_llama(seed=3)), "another function") != same
+
+
+def test_a_target_that_cannot_be_compiled_ahead_warns_once_and_runs_through_dynamo(folder, monkeypatch):
+    model = tiny_llama(seed=3)
+
+    def fail(*_):
+        raise RuntimeError("aot_compile is missing")
+    monkeypatch.setattr(Kept, "_compile", fail)
+    step = TargetStep(model, compile=True)
+    with pytest.warns(UserWarning, match=r"the target's step could not be compiled ahead \(RuntimeError: "
+                                         r"aot_compile is missing\)") as warned:
+        compiled = answer(step, capacity=16, grow_to=64)
+    assert len(warned) == 1 and not isinstance(step._compiled, Kept)
+    for got, want in zip(compiled, answer(TargetStep(model), capacity=16, grow_to=64)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_graphs_no_process_used_for_a_month_are_deleted_and_a_loaded_one_counts_as_used(folder):
+    model = tiny_llama(seed=3)
+    answer(TargetStep(model, compile=True))
+    (graph,) = folder.rglob("*.bin")
+    stale = folder / "another model" / "0123.bin"
+    stale.parent.mkdir()
+    stale.write_bytes(b"an old graph")
+    long_ago = time.time() - (kept.UNUSED_DAYS + 1) * 86400
+    for path in (graph, stale):
+        os.utime(path, (long_ago, long_ago))
+    answer(TargetStep(model, compile=True))  # (a new step: it loads the graph)
+    assert kept.prune() == [stale] and not stale.parent.exists()
+    assert graph.is_file() and graph.stat().st_mtime > long_ago
+    assert kept.prune(days=0) == [graph]  # (unused since that load)

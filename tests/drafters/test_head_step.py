@@ -172,3 +172,24 @@ def test_prepared_widths_are_kept_graphs_for_every_capacity_and_give_the_same_ou
     later = HeadStep(head, embed)
     later.prepare(HEAD_CAPACITY)
     assert later._kept is not None and set(later._kept.calls) == set(step._kept.calls)
+
+
+def test_a_head_that_cannot_be_compiled_ahead_warns_once_and_runs_through_dynamo(model, head, tmp_path,
+                                                                                monkeypatch):
+    """Where a first kept graph cannot be compiled (a function dynamo cannot take whole, a torch without
+    ``aot_compile``), the head says so in one line and its compiled calls still give the eager step's outputs."""
+    monkeypatch.setattr(kept, "folder", lambda: tmp_path)
+
+    def fail(*_):
+        raise RuntimeError("aot_compile is missing\nand more")
+    monkeypatch.setattr(kept.Kept, "_compile", fail)
+    step = HeadStep(head, model.get_input_embeddings())
+    tokens = torch.randint(0, V, (1, 43), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 43, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match=r"the EAGLE head's step could not be compiled ahead \(RuntimeError: "
+                                             r"aot_compile is missing\)") as warned:
+            ours = calls(step, step.new_cache(), tokens, features, True)
+        assert len(warned) == 1 and step._kept is None and step._compiled is not None
+        for a, b in zip(ours, calls(step, step.new_cache(), tokens, features, False)):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
