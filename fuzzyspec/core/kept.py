@@ -60,14 +60,15 @@ def folder() -> Path:
     return Path(cache_dir()) / "fuzzyspec-steps"
 
 
-def marked_like(tensor: Tensor, dim: int) -> Tensor:
-    """A stand-in for ``tensor`` for a graph to be compiled from (its values unset), with ``dim`` marked dynamic.
+def marked_like(tensor: Tensor, *dims: int) -> Tensor:
+    """A stand-in for ``tensor`` for a graph to be compiled from (its values unset), with ``dims`` marked dynamic.
     Marked in place, the caller's own tensor would not pass a kept graph's guards when a later process loads it:
     dynamo refuses a tensor marked where it compiled an unmarked one. Made in the tensor's inference mode, which
     the guards tell apart too."""
     with torch.inference_mode(tensor.is_inference()):
         stand_in = torch.empty_like(tensor)
-    torch._dynamo.mark_dynamic(stand_in, dim)
+    for dim in dims:
+        torch._dynamo.mark_dynamic(stand_in, dim)
     return stand_in
 
 

@@ -402,13 +402,14 @@ class TargetStep:
         tokens, positions, write, mask = (packed(t) for t in (tokens, positions, write, mask))
         slots = packed(slots) if slots is not None else None
         runner = self._compiled_forward()
-        kept = isinstance(runner, Kept)  # (then one graph serves every capacity: it is not in the key)
+        kept = isinstance(runner, Kept)  # (then one graph serves every capacity, and every count of spare slots)
         capacity = None if kept else cache.capacity
-        call = (tuple(tokens.shape), tuple(mask.shape[:3]), tuple(cache.keys[0].shape[:2]), capacity,
+        slots_in_cache = spare_slots(cache, tokens) if kept else cache.keys[0].shape[0]
+        call = (tuple(tokens.shape), tuple(mask.shape[:3]), (slots_in_cache, cache.keys[0].shape[1]), capacity,
                 cache.keys[0].shape[3], cache.keys[0].dtype, None if slots is None else tuple(slots.shape), keep,
                 torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        if (*tokens.shape, capacity) not in self._shapes and self.on_compile is not None \
-                and not (kept and runner.ready(call)):
+        new = not runner.ready(call) if kept else (*tokens.shape, capacity) not in self._shapes
+        if new and self.on_compile is not None:
             self.on_compile(*tokens.shape)
         self._shapes.add((*tokens.shape, capacity))
         # One graph per shape serves every row, whichever layers its drafter reads: the graph returns every
@@ -443,12 +444,21 @@ class TargetStep:
 
 def any_capacity(arguments: tuple) -> tuple:
     """``any_capacity_step``'s ``arguments`` as its graph is compiled from: the cache's tensors and the mask stood in
-    for by ones whose capacity is marked dynamic (``kept.marked_like``)."""
+    for by ones whose capacity is marked dynamic (``kept.marked_like``), and the cache's slots too where it has more
+    than the step's rows (a server's cache holds every row it has seated; the step runs over the first ones)."""
     forward, cache, tokens, positions, write, mask, *rest = arguments
+    dims = (0, 2) if spare_slots(cache, tokens) else (2,)
     stand_in = copy.copy(cache)
-    stand_in.keys = [marked_like(t, 2) for t in cache.keys]
-    stand_in.values = [marked_like(t, 2) for t in cache.values]
+    stand_in.keys = [marked_like(t, *dims) for t in cache.keys]
+    stand_in.values = [marked_like(t, *dims) for t in cache.values]
     return (forward, stand_in, tokens, positions, write, marked_like(mask, 3), *rest)
+
+
+def spare_slots(cache: StaticCache, tokens: Tensor) -> bool:
+    """Whether the cache holds more rows than the step runs over: then one kept graph serves every number of them
+    (their count a symbol), and another the cache of exactly the step's rows (a dimension of size 1 cannot be a
+    symbol: dynamo specializes it)."""
+    return cache.keys[0].shape[0] > tokens.shape[0]
 
 
 def any_capacity_step(forward: LlamaForward, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor,
@@ -457,9 +467,13 @@ def any_capacity_step(forward: LlamaForward, cache: StaticCache, tokens: Tensor,
     """``forward``'s step as ``Kept`` compiles it. The forward is an argument, not a closure, so a kept graph holds
     no model: the weights are read from the one passed. Every layer's cache capacity is told equal to the mask's:
     dynamo gives each dynamic dimension a symbol of its own, and with 61 of them a pass cost about 0.2 ms more (the
-    symbols passed as tensors, one by one) than with one."""
+    symbols passed as tensors, one by one) than with one. So are the layers' slots, and there are more of them
+    than the step's rows where they are a symbol (``spare_slots``)."""
     for tensor in (*cache.keys, *cache.values):
         torch._check(tensor.shape[2] == mask.shape[3])
+        torch._check(tensor.shape[0] == cache.keys[0].shape[0])
+    if spare_slots(cache, tokens):
+        torch._check(cache.keys[0].shape[0] > tokens.shape[0])
     return forward(cache, tokens, positions, write, mask, slots, keep, features)
 
 

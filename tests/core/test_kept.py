@@ -109,3 +109,35 @@ def test_graphs_no_process_used_for_a_month_are_deleted_and_a_loaded_one_counts_
     assert kept.prune() == [stale] and not stale.parent.exists()
     assert graph.is_file() and graph.stat().st_mtime > long_ago
     assert kept.prune(days=0) == [graph]  # (unused since that load)
+
+
+def test_one_kept_graph_serves_every_count_of_spare_slots(folder, monkeypatch):
+    """A server's cache holds every row it has seated, and a step runs over its first rows: one graph serves a
+    cache of any number of slots beyond the step's rows (and another a cache of exactly its rows), in this process
+    and, loaded, in a later one."""
+    model = tiny_llama(seed=3)
+    eager = TargetStep(model)
+
+    def outputs(step, rows, slots):
+        got = []
+        with torch.inference_mode():
+            for runner, compiled in ((step, True), (eager, False)):
+                cache = StaticCache.for_model(model.config, slots, 16, torch.float32, "cpu")
+                run(runner, cache, [[3, 9, 4]] * rows)
+                cache.lengths = [3] * rows + [0] * (slots - rows)
+                got.append(run(runner, cache, [[6]] * rows, compiled=compiled)[0])
+        return got
+
+    step = TargetStep(model, compile=True)
+    noticed = []
+    step.on_compile = lambda rows, width: noticed.append((rows, width))
+    for rows, slots in ((1, 1), (1, 2), (1, 5), (2, 2), (2, 3), (2, 8), (1, 3)):
+        torch.testing.assert_close(*outputs(step, rows, slots), rtol=1e-4, atol=1e-4)
+    assert len(step._compiled.calls) == 4 and noticed == [(1, 1), (1, 1), (2, 1), (2, 1)]
+
+    def refuse(*_):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(Kept, "_compile", refuse)
+    later = TargetStep(model, compile=True)
+    for rows, slots in ((1, 7), (2, 6)):
+        torch.testing.assert_close(*outputs(later, rows, slots), rtol=1e-4, atol=1e-4)
