@@ -456,8 +456,8 @@ def any_capacity(arguments: tuple) -> tuple:
 
 def spare_slots(cache: StaticCache, tokens: Tensor) -> bool:
     """Whether the cache holds more rows than the step runs over: then one kept graph serves every number of them
-    (their count a symbol), and another the cache of exactly the step's rows (a dimension of size 1 cannot be a
-    symbol: dynamo specializes it)."""
+    (their count a symbol), and another the cache of exactly the step's rows (there the layers' test of the two
+    counts would pin the symbol, and dynamo pins a dimension of size 1 anyway)."""
     return cache.keys[0].shape[0] > tokens.shape[0]
 
 
