@@ -378,9 +378,9 @@ def _load_pair(args: argparse.Namespace, draft: str | None, device: str, long_ru
     if compile and pair.draft is not None and pair.draft.prepare is not None:  # (an EAGLE head's own steps)
         from .core.kvcache import HEAD_CAPACITY
 
-        print("fuzzyspec: compiling the drafter's step (seconds, once: it is kept on this machine for later runs) ...",
-              file=sys.stderr, flush=True)
-        pair.draft.prepare(HEAD_CAPACITY)
+        pair.draft.prepare(HEAD_CAPACITY, on_compile=lambda: print(
+            "fuzzyspec: compiling the drafter's step (seconds, once: it is kept on this machine for later runs) ...",
+            file=sys.stderr, flush=True))
     _started()
     return pair
 

@@ -67,7 +67,8 @@ def test_trees_need_an_eagle_head(capsys, tiny_dirs):
 
 def test_a_compiled_generate_compiles_the_eagle_heads_step_first(capsys, tiny_dirs, tmp_path, monkeypatch):
     """With --compile an EAGLE head's own steps compile before the answer, with a line saying so (the target's
-    shapes then compile as the answer meets them, each with its own line)."""
+    shapes then compile as the answer meets them, each with its own line); a second run loads the head's, and says
+    nothing of compiling them."""
     from transformers import AutoModelForCausalLM
 
     from fuzzyspec.core import kept
@@ -82,6 +83,10 @@ def test_a_compiled_generate_compiles_the_eagle_heads_step_first(capsys, tiny_di
     out, err = capsys.readouterr()
     assert json.loads(out)["stats"]["new_tokens"] == 6
     assert 0 <= err.find("compiling the drafter's step") < err.find("compiling the target's step")
+    assert main(["generate", "hello there", "--target", tiny_dirs["target"], "--draft", f"eagle:{tmp_path / 'head'}",
+                 "--tree", "--compile", "--max-new-tokens", "6", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["stats"]["new_tokens"] == 6 and "compiling the drafter's step" not in err
 
 
 def test_bad_self_draft(capsys, tiny_dirs):

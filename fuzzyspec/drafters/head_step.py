@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -177,11 +178,16 @@ class HeadStep:
             return None
 
     @torch.inference_mode()  # (as decoding's inputs are made: graphs tell inference tensors apart)
-    def prepare(self, capacity: int) -> None:
+    def prepare(self, capacity: int, on_compile: Callable[[], None] | None = None) -> None:
         """Compile ahead (or load, where kept) every width, at a cache of ``capacity`` positions: each graph serves
-        every capacity."""
+        every capacity. ``on_compile`` is told once, before the first width that compiles: on the CPU, none where
+        every width's graph is kept already (``core.kept``); through dynamo's graphs, always."""
         features = self.head.config.hidden_size
+        told = on_compile is None
         for width in WIDTHS:
+            if not told and not (self._kept is not None and self._kept.ready((width, self.dtype))):
+                on_compile()
+                told = True
             cache = self.new_cache(capacity)
             tokens = torch.zeros(1, width, dtype=torch.long, device=self.device)
             self(cache, tokens, torch.zeros(1, width, features, dtype=self.dtype, device=self.device), compiled=True)

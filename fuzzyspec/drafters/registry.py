@@ -59,7 +59,7 @@ class DrafterSource:
     make: Callable[[int], Drafter]
     width: int | None = None
     drafts_trees: bool = False
-    prepare: Callable[[int], None] | None = None
+    prepare: Callable[..., None] | None = None  # (capacity, on_compile=None: told before it compiles)
 
     def new(self, vocab_size: int) -> Drafter:
         """A fresh drafter for one sequence of a pair sharing ``vocab_size`` logit columns."""
