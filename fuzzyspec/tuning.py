@@ -208,9 +208,11 @@ def prepare(pair, config, capacities: tuple[int, ...] | None = None, progress: C
         for capacity in capacities or (pair.step.min_capacity,):
             measure_target(pair.step, widths, rounds=1, compiled=True, progress=progress, capacity=capacity)
         if pair.draft.prepare is not None:
+            compiling = None
             if progress is not None:
-                progress("drafter step (compiling)")
-            pair.draft.prepare(HEAD_CAPACITY)  # (a head's cache starts there whatever the target's holds)
+                progress("drafter step")
+                compiling = lambda: progress("drafter step (compiling)")  # noqa: E731 (said only where it compiles)
+            pair.draft.prepare(HEAD_CAPACITY, compiling)  # (a head's cache starts there whatever the target's holds)
 
 
 def measure(pair, config, widths: tuple[int, ...] = WIDTHS, progress: Callable[[str], None] | None = None) -> dict:
