@@ -38,7 +38,7 @@ from .cost import Profile
 from .graphs import Graphs
 from .int4 import holds_blocks, projection_groups
 from .kept import Kept, NotKept, fingerprint, marked_like, structure
-from .kvcache import StaticCache, cache_keyword
+from .kvcache import StaticCache, attention_mask, cache_keyword, chain_tree, write_positions
 from .parallel import shards
 
 Features = dict[int, Tensor]
@@ -343,6 +343,10 @@ class TargetStep:
         self._every_layer = tuple(range(self.layer_count + 1))
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
         self.compiling = False  # whether the last call may have compiled (its time then is not a step's cost)
+        # A server's: a call whose kept graph is not ready runs eagerly, and its graph compiles when the server is
+        # idle (``compile_deferred``), so a batch size's first requests do not wait 15-50 s a graph for it
+        self.defer = False
+        self.deferred: dict[tuple, tuple] = {}  # call key -> (rows, width, the cache's slots and dtype, keep, modes)
         self.profile = Profile()  # what its steps (and its drafters') cost here, measured as they run
         self._spare: StaticCache | None = None  # the cache the last engine gave back (``borrow_cache``)
         self._lending = threading.Lock()
@@ -409,6 +413,11 @@ class TargetStep:
                 cache.keys[0].shape[3], cache.keys[0].dtype, None if slots is None else tuple(slots.shape), keep,
                 torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         new = not runner.ready(call) if kept else (*tokens.shape, capacity) not in self._shapes
+        if new and kept and self.defer:
+            self.deferred.setdefault(call, (*tokens.shape, cache.keys[0].shape[0], cache.keys[0].dtype, keep,
+                                            torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+            self.compiling = True  # (an eager pass: its time is not a compiled step's)
+            return self.forward(cache, tokens, positions, write, mask, slots, keep, features)
         if new and self.on_compile is not None:
             self.on_compile(*tokens.shape)
         self._shapes.add((*tokens.shape, capacity))
@@ -428,6 +437,28 @@ class TargetStep:
         if self.graphs:  # a replay's outputs live in the graphs' memory, which the next replay overwrites
             return logits.clone(), {i: found[i].clone() for i in features}
         return logits, {i: found[i] for i in features}
+
+    def compile_deferred(self) -> bool:
+        """Compile (and keep) one graph that a deferred call (``defer``) asked for, from inputs of its shape: what
+        a server does while idle. Returns whether there was one."""
+        if not self.deferred:
+            return False
+        call, (rows, width, slots, dtype, keep, grad, inference) = next(iter(self.deferred.items()))
+        device = self.model.get_input_embeddings().weight.device
+        capacity = 64 + width  # (any: the capacity is a symbol of the graph)
+        cache = StaticCache.for_model(self.model.config, slots, capacity, dtype, device)
+        defer, self.defer = self.defer, False
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                starts = torch.zeros(rows, dtype=torch.long, device=device)
+                tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
+                positions = write_positions(starts, width)
+                mask = attention_mask(starts, chain_tree(rows, width, device), capacity)
+                self(cache, tokens, positions, positions.clone(), mask, None, keep, (), compiled=True)
+        finally:
+            self.defer = defer
+            self.deferred.pop(call)
+        return True
 
     def _compiled_forward(self) -> "Compiled | Kept":
         """On the CPU, our own forward's steps compiled ahead and kept on disk (``core.kept``: once per machine, one

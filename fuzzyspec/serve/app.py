@@ -69,13 +69,16 @@ class Server:
     def warm_up(self) -> None:
         """Compile the target's steps for one request of the server's defaults before the first client waits
         for it: every one-row shape its drafts may take (a compilation takes seconds to a minute on a small
-        CPU, once: on the CPU the graphs are kept, ``core.kept``, and serve every cache capacity; larger batches
-        compile as they first occur, or load where an earlier process kept them)."""
+        CPU, once: on the CPU the graphs are kept, ``core.kept``, and serve every cache capacity). A larger batch
+        loads its graphs where an earlier process kept them; on the CPU, one whose graphs are not kept yet runs
+        eagerly, and they compile while the server is idle (``TargetStep.defer``), rather than its requests
+        waiting for them."""
         from ..tuning import prepare
 
         config = self.pair.config(**{**self.config.defaults, "max_new_tokens": 8})
         prepare(self.pair, config)
         self.pair.generate("Hello", config=config)
+        self.pair.step.defer = True
 
     async def _threshold(self, body: Options, config: DecodeConfig) -> DecodeConfig:
         """Resolve ``target_acceptance`` into a threshold (calibrated once per setting, off the event loop)."""

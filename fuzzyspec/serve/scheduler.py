@@ -206,6 +206,9 @@ class Scheduler:
         while not self._stopping.is_set():
             self._admit()
             if not self.running:
+                if self.engine.step_fn.deferred and not self.waiting:
+                    self._compile_deferred()
+                    continue
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 if time.monotonic() - self._told > IDLE_TELL_S:
@@ -232,6 +235,18 @@ class Scheduler:
             for row in finished:
                 self._finish(row)
         self._fail_all(Unavailable("the server is shutting down"))
+
+    def _compile_deferred(self) -> None:
+        """While idle, compile one graph that a batch ran eagerly without (``TargetStep.defer``). A request that
+        arrives meanwhile waits for that one graph. One that cannot be compiled ends deferring: later shapes then
+        compile as they occur, as without it."""
+        step = self.engine.step_fn
+        try:
+            step.compile_deferred()
+        except Exception:
+            log.warning("compiling a deferred step failed; later shapes compile as they occur", exc_info=True)
+            step.defer = False
+            step.deferred.clear()
 
     def _admit(self) -> None:
         """Let waiting requests join the batch (together: one prefill for all who join at once)."""

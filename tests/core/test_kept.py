@@ -141,3 +141,27 @@ def test_one_kept_graph_serves_every_count_of_spare_slots(folder, monkeypatch):
     later = TargetStep(model, compile=True)
     for rows, slots in ((1, 7), (2, 6)):
         torch.testing.assert_close(*outputs(later, rows, slots), rtol=1e-4, atol=1e-4)
+
+
+def test_a_deferred_call_runs_eagerly_and_its_graph_compiles_when_asked(folder):
+    """A server's step (``defer``) answers a call whose graph is not ready eagerly, the same logits as an eager
+    step, and compiles that graph only when asked (while the server is idle); the next such call runs it."""
+    model = tiny_llama(seed=3)
+    step, eager = TargetStep(model, compile=True), TargetStep(model)
+    step.defer = True
+
+    def outputs(runner, compiled):
+        with torch.inference_mode():
+            cache = StaticCache.for_model(model.config, 3, 16, torch.float32, "cpu")
+            run(runner, cache, [[3, 9, 4]] * 2)
+            cache.lengths = [3, 3, 0]
+            got = run(runner, cache, [[6, 2]] * 2, compiled=compiled)[0]
+        return got, runner.compiling
+    want, _ = outputs(eager, False)
+    got, compiling = outputs(step, True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert compiling and len(step.deferred) == 1 and step._compiled.calls == {}  # (its time is not a step's)
+    assert step.compile_deferred() and not step.deferred and len(step._compiled.calls) == 1
+    got, compiling = outputs(step, True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not compiling and not step.deferred and not step.compile_deferred()

@@ -406,3 +406,41 @@ def test_a_compiled_server_compiles_before_its_first_request(tiny_dirs):
                                                                    "gamma_schedule": "constant"}))
     server.warm_up()
     assert (1, 8) in compiled  # a verification of 4 drafts, padded to width 8
+
+
+def test_a_compiled_servers_new_batch_size_runs_eagerly_and_its_graphs_compile_while_idle(tiny_dirs, tmp_path,
+                                                                                          monkeypatch):
+    """After the warm-up, a batch whose graphs no process has kept does not wait for them: it decodes eagerly (the
+    same tokens), and the server compiles those graphs once it is idle."""
+    from fuzzyspec.core import kept
+    from fuzzyspec.serve.app import ServeConfig, Server
+    from fuzzyspec.serve.scheduler import Request
+
+    monkeypatch.setattr(kept, "folder", lambda: tmp_path)
+    pair = ModelPair.load(tiny_dirs["target"], None, "float32", compile=True)
+    server = Server(pair, ServeConfig(model_name="tiny", defaults={"temperature": 0.0, "method": "ar"}))
+    compiled: list[tuple[int, int, int]] = []  # (rows, width, requests running meanwhile)
+    pair.step.on_compile = lambda rows, width: compiled.append((rows, width, len(server.scheduler.running)))
+    server.warm_up()
+    assert pair.step.defer and compiled and all(rows == 1 for rows, _, _ in compiled)
+    scheduler = server.scheduler
+    config = pair.config(method="ar", temperature=0.0, max_new_tokens=6, eos_token_ids=())
+    texts = ("hello there", "one two three")
+    admit = scheduler._admit  # (the two join as one batch: none is admitted before both wait)
+    monkeypatch.setattr(scheduler, "_admit", lambda: admit() if len(scheduler.waiting) == 2 or scheduler.running
+                        else None)
+    scheduler.start()
+    try:
+        requests = [scheduler.submit(Request(pair.encode(text, chat=False), config)) for text in texts]
+        for request in requests:
+            while request.events.get(timeout=60)[0] != "done":
+                pass
+        deadline = time.time() + 120
+        while pair.step.deferred and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        scheduler.stop()
+    for request, text in zip(requests, texts):
+        assert request.tokens == pair.generate(text, chat=False, config=config).tokens
+    assert not pair.step.deferred and (2, 1, 0) in compiled  # (compiled once idle, not while the two waited)
+    assert all(running == 0 for _, _, running in compiled)
