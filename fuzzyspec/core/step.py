@@ -339,7 +339,7 @@ class TargetStep:
         self.compile, self.widths = compile, widths or (GPU_WIDTHS if on_gpu else WIDTHS)
         self.graphs = compile and graphs and on_gpu
         self._compiled: Compiled | Kept | None = None
-        self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) compiled so far
+        self._shapes: set[tuple[int, ...]] = set()  # (rows, width, capacity) dynamo's graphs compiled so far
         self._every_layer = tuple(range(self.layer_count + 1))
         self.on_compile: Callable[[int, int], None] | None = None  # told (rows, width) before each compilation
         self.compiling = False  # whether the last call may have compiled (its time then is not a step's cost)
@@ -420,7 +420,8 @@ class TargetStep:
             return self.forward(cache, tokens, positions, write, mask, slots, keep, features)
         if new and self.on_compile is not None:
             self.on_compile(*tokens.shape)
-        self._shapes.add((*tokens.shape, capacity))
+        if not kept:  # (a kept graph knows whether it is ready)
+            self._shapes.add((*tokens.shape, capacity))
         # One graph per shape serves every row, whichever layers its drafter reads: the graph returns every
         # layer's hidden state (each exists anyway, as the residual stream) and the caller's are picked here.
         if kept:
@@ -431,7 +432,6 @@ class TargetStep:
             logits, found = runner(call, *arguments)
         except NotKept:  # (warned) dynamo's graphs serve instead, for good
             self._compiled = Compiled(self.forward, cache.device, self.graphs)
-            self._shapes.clear()
             return self(cache, tokens, positions, write, mask, slots, keep, features, compiled)
         self.compiling = runner.compiling  # (then its time is not a step's)
         if self.graphs:  # a replay's outputs live in the graphs' memory, which the next replay overwrites
