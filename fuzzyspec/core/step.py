@@ -460,6 +460,11 @@ class TargetStep:
             self.deferred.pop(call)
         return True
 
+    def stop_deferring(self) -> None:
+        """End deferring (``defer``) and forget the graphs it waits for: later new shapes compile as they occur."""
+        self.defer = False
+        self.deferred.clear()
+
     def _compiled_forward(self) -> "Compiled | Kept":
         """On the CPU, our own forward's steps compiled ahead and kept on disk (``core.kept``: once per machine, one
         graph for every capacity, called without dynamo); else dynamo's graphs (on a GPU, captured)."""

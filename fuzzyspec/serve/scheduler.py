@@ -245,8 +245,7 @@ class Scheduler:
             step.compile_deferred()
         except Exception:
             log.warning("compiling a deferred step failed; later shapes compile as they occur", exc_info=True)
-            step.defer = False
-            step.deferred.clear()
+            step.stop_deferring()
 
     def _admit(self) -> None:
         """Let waiting requests join the batch (together: one prefill for all who join at once)."""

@@ -444,3 +444,35 @@ def test_a_compiled_servers_new_batch_size_runs_eagerly_and_its_graphs_compile_w
         assert request.tokens == pair.generate(text, chat=False, config=config).tokens
     assert not pair.step.deferred and (2, 1, 0) in compiled  # (compiled once idle, not while the two waited)
     assert all(running == 0 for _, _, running in compiled)
+
+
+def test_a_deferred_graph_that_fails_to_compile_ends_deferring_and_the_server_goes_on(tiny_dirs, monkeypatch, caplog):
+    """The idle compilation failing logs one warning and turns deferring off (later shapes then compile as they
+    occur); the server still answers."""
+    from fuzzyspec.serve.app import ServeConfig, Server
+    from fuzzyspec.serve.scheduler import Request
+
+    pair = ModelPair.load(tiny_dirs["target"], None, "float32")
+    server = Server(pair, ServeConfig(model_name="tiny", defaults={"temperature": 0.0, "method": "ar"}))
+    pair.step.defer, pair.step.deferred = True, {("a call",): ()}
+
+    def fail() -> bool:
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(pair.step, "compile_deferred", fail)
+    scheduler = server.scheduler
+    config = pair.config(method="ar", temperature=0.0, max_new_tokens=4, eos_token_ids=())
+    scheduler.start()
+    try:
+        deadline = time.time() + 30
+        while pair.step.deferred and time.time() < deadline:
+            time.sleep(0.02)
+        request = scheduler.submit(Request(pair.encode("hello there", chat=False), config))
+        while request.events.get(timeout=60)[0] != "done":
+            pass
+    finally:
+        scheduler.stop()
+    assert not pair.step.defer and not pair.step.deferred
+    assert [r.message for r in caplog.records].count("compiling a deferred step failed; later shapes compile as they "
+                                                     "occur") == 1
+    assert request.tokens == pair.generate("hello there", chat=False, config=config).tokens
