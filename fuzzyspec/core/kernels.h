@@ -27,16 +27,17 @@ void attend(const float* q, const void* keys, const void* values, bool half, con
 void rms_norm(const float* src, const float* weight, int64_t rows, int64_t size, float eps, float* dst);
 // The rotary embedding of q, k [rows * width tokens, heads (kv_heads) * dim] by cos, sin [tokens, dim], q's into
 // q_out [tokens, heads, dim], k's and v's into keys and values (strides in elements) at slot slots[b] and position
-// positions[token].
+// positions[token]. q's, k's and v's tokens lie token_strides[0], [1] and [2] floats apart (views of one fused
+// projection's output are read where they are).
 struct Cache {
   void* keys;
   void* values;
   bool half;
   int64_t key_strides[4], value_strides[4];
 };
-void rope_store(const float* q, const float* k, const float* v, const float* cos, const float* sin,
-                const Cache& cache, const int64_t* slots, const int64_t* positions, int64_t rows, int64_t width,
-                int64_t heads, int64_t kv_heads, int64_t dim, float* q_out);
+void rope_store(const float* q, const float* k, const float* v, const int64_t* token_strides, const float* cos,
+                const float* sin, const Cache& cache, const int64_t* slots, const int64_t* positions, int64_t rows,
+                int64_t width, int64_t heads, int64_t kv_heads, int64_t dim, float* q_out);
 // In one slot of a cache tensor (``row``: its first byte; heads of ``head_stride`` bytes, positions of
 // ``position_stride`` bytes, each ``bytes`` long), position start + columns[i] moved to start + i.
 void keep_columns(char* row, int64_t heads, int64_t head_stride, int64_t position_stride, int64_t bytes,

@@ -9,13 +9,13 @@ It holds two kernels, each with one job:
   step's RMSNorm, and its rotary embedding with the cache writes, one call each (``core.step``); and a tree's kept
   path moved down in every layer's cache, one call a step (``core.kvcache``).
 
-``ops.cpp`` makes them torch ops (checks, outputs, registration) over the plain arrays that ``kernels.h`` declares:
-torch's headers, about 4.3 s of a first use's build on 2 cores, are parsed there alone.
+``ops.cpp`` makes them torch ops (checks, outputs, registration) over the plain arrays that ``kernels.h`` declares,
+through torch's stable ABI (torch 2.10 or later), whose headers parse in a third of the time ATen's took.
 
 Both compute a token's result by the same operations whatever else is in its batch, which is what lets a pass
 that verifies several drafted tokens give each the logits a one-token step would (``core.attention``).
-An x86 CPU with AVX2 and a C++ compiler is needed; elsewhere ``unavailable`` says why, and floats and PyTorch's
-attention serve.
+An x86 CPU with AVX2, torch 2.10 or later and a C++ compiler are needed; elsewhere ``unavailable`` says why, and
+floats and PyTorch's attention serve.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ ROWS = 16  # weight rows per packed group of the int4 kernel (what its products 
 # -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
 # -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+MIN_TORCH = (2, 10)  # the stable ABI ops.cpp targets (its TORCH_TARGET_VERSION)
 # Wider instructions where the CPU has them (the int4 kernel's #if blocks): VNNI's one-instruction byte
 # multiply-adds, in 256 bits (AVX-VNNI: 8 rows a register) or 512 (AVX-512: a whole group of 16 rows)
 ISA_FLAGS = {
@@ -69,6 +70,11 @@ def isa() -> str:
     return next(name for name in allowed if set(ISA_FLAGS[name]) <= cpu_flags())
 
 
+def torch_version() -> tuple[int, ...]:
+    """torch's (major, minor) version."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
 def build_flags() -> list[str]:
     return FLAGS + list(ISA_FLAGS[isa()].values())
 
@@ -85,7 +91,7 @@ def unavailable() -> str | None:
 
 def build_soon() -> None:
     """Build (or load) the kernels on a thread of their own, where that has not been done in this process: the
-    compiler runs in other processes, so the rest can import and load meanwhile (a first use's ~8 s of building, on
+    compiler runs in other processes, so the rest can import and load meanwhile (a first use's 5-13 s of building, on
     2 cores, beside the imports and the tokenizer's conversion). Whoever asks ``available`` next waits for it. Where
     they are built already, loading them takes about a millisecond, and is done at once."""
     if _build.cache_info().currsize == 0 and not _building.locked():
@@ -117,6 +123,8 @@ def _library() -> Path:
 def _build() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         return f"the CPU kernels need an x86 CPU with AVX2 (this is {platform.machine()})"
+    if torch_version() < MIN_TORCH:
+        return f"the CPU kernels need torch {'.'.join(map(str, MIN_TORCH))} or later (this is {torch.__version__})"
     library = _library()
     if not _load_built(library):
         error = _compile(library)

@@ -411,9 +411,10 @@ inline void put(const float* x, int64_t n, Half* out, int64_t stride) {
 // capacity, D] (element strides kst, vst) at row slots[b] and position positions[b * T + t]; q rotated into qd
 // [B, T, heads, D].
 template <typename T>
-void store_rows(const float* qs, const float* ks, const float* vs, const float* cs, const float* ss, T* kd, T* vd,
-                const int64_t* kst, const int64_t* vst, const int64_t* slots, const int64_t* positions, int64_t rows,
-                int64_t width, int64_t heads, int64_t kv_heads, int64_t dim, float* qd) {
+void store_rows(const float* qs, const float* ks, const float* vs, const int64_t* steps, const float* cs,
+                const float* ss, T* kd, T* vd, const int64_t* kst, const int64_t* vst, const int64_t* slots,
+                const int64_t* positions, int64_t rows, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
+                float* qd) {
   const int64_t ks0 = kst[0], ks1 = kst[1], ks2 = kst[2], ks3 = kst[3];
   const int64_t vs0 = vst[0], vs1 = vst[1], vs2 = vst[2], vs3 = vst[3];
   std::vector<float> rotated(dim);
@@ -423,11 +424,11 @@ void store_rows(const float* qs, const float* ks, const float* vs, const float* 
       const int64_t token = b * width + t, p = positions[token];
       const float *c = cs + token * dim, *n = ss + token * dim;
       for (int64_t h = 0; h < heads; ++h)
-        rotate(qs + (token * heads + h) * dim, c, n, dim, qd + (token * heads + h) * dim, 1);
+        rotate(qs + token * steps[0] + h * dim, c, n, dim, qd + (token * heads + h) * dim, 1);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(ks + (token * kv_heads + h) * dim, c, n, dim, rotated.data(), 1);
+        rotate(ks + token * steps[1] + h * dim, c, n, dim, rotated.data(), 1);
         put(rotated.data(), dim, kd + s * ks0 + h * ks1 + p * ks2, ks3);
-        put(vs + (token * kv_heads + h) * dim, dim, vd + s * vs0 + h * vs1 + p * vs2, vs3);
+        put(vs + token * steps[2] + h * dim, dim, vd + s * vs0 + h * vs1 + p * vs2, vs3);
       }
     }
   }
@@ -465,14 +466,14 @@ void rms_norm(const float* src, const float* scale, int64_t rows, int64_t size, 
   }
 }
 
-void rope_store(const float* q, const float* k, const float* v, const float* cos, const float* sin,
-                const Cache& cache, const int64_t* slots, const int64_t* positions, int64_t rows, int64_t width,
-                int64_t heads, int64_t kv_heads, int64_t dim, float* q_out) {
+void rope_store(const float* q, const float* k, const float* v, const int64_t* token_strides, const float* cos,
+                const float* sin, const Cache& cache, const int64_t* slots, const int64_t* positions, int64_t rows,
+                int64_t width, int64_t heads, int64_t kv_heads, int64_t dim, float* q_out) {
   if (cache.half)
-    store_rows(q, k, v, cos, sin, static_cast<Half*>(cache.keys), static_cast<Half*>(cache.values),
+    store_rows(q, k, v, token_strides, cos, sin, static_cast<Half*>(cache.keys), static_cast<Half*>(cache.values),
                cache.key_strides, cache.value_strides, slots, positions, rows, width, heads, kv_heads, dim, q_out);
   else
-    store_rows(q, k, v, cos, sin, static_cast<float*>(cache.keys), static_cast<float*>(cache.values),
+    store_rows(q, k, v, token_strides, cos, sin, static_cast<float*>(cache.keys), static_cast<float*>(cache.values),
                cache.key_strides, cache.value_strides, slots, positions, rows, width, heads, kv_heads, dim, q_out);
 }
 

@@ -1,172 +1,238 @@
 // The CPU kernels as torch ops: each checks its tensors (one line for a wrong shape, dtype or place, before anything
 // is written), makes its output, and calls the kernel over plain arrays (kernels.h; int4_kernel.cpp and
-// layer_kernel.cpp say what each computes). torch's headers are parsed here alone: about 4.3 s of a first use's
-// build on 2 cores. The headers used, not ATen/ATen.h: it took 7 of the 9 s a first use spent building the kernels.
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
+// layer_kernel.cpp say what each computes). Written against torch's stable ABI (torch 2.10 or later): its headers
+// parse in about 3 s on 2 cores, where ATen's Tensor and torch/library.h took 10 s, the longest part of a first
+// use's build. Each of its calls into ATen goes through the dispatcher, so the ops make one only where an input is
+// not already as the kernels take it (float32, contiguous), and allocate their outputs through the C shim: a layer
+// of the embedded target costs what it did with ATen's headers (137.7 against 136.6 us, the same process).
+// No part of the stable ABI newer than torch 2.10 (kernels.MIN_TORCH) is used.
+#define TORCH_TARGET_VERSION (((0ULL + 2) << 56) | ((0ULL + 10) << 48))
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 
+#include <sstream>
+#include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
 
 namespace {
 
-// x [..., K] times the packed weight's transpose: [..., N] (N = 16 x groups), in x's dtype (computed in float32).
-at::Tensor product(const at::Tensor& input, const at::Tensor& packed, bool eight) {
-  const int64_t K = input.size(-1), nb = K / 32, bytes = eight ? fuzzyspec::Q8_BYTES : fuzzyspec::Q4_BYTES;
-  TORCH_CHECK(K % 32 == 0 && packed.dim() == 3 && packed.size(1) == nb && packed.size(2) == bytes &&
-              packed.is_contiguous() && packed.scalar_type() == at::kByte,
-              "a packed weight [groups, ", nb, ", ", bytes, "] bytes for ", K, " inputs");
-  const int64_t G = packed.size(0), N = G * fuzzyspec::ROWS;
-  const at::Tensor x = input.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-  shape.back() = N;
-  at::Tensor out = x.new_empty({M, N});
-  (eight ? fuzzyspec::product_q8 : fuzzyspec::product_q4)(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), G,
-                                                          out.data_ptr<float>());
-  return out.view(shape).to(input.scalar_type());
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+// A failed check's one line, as a RuntimeError in Python.
+template <typename... Parts>
+void check(bool holds, const Parts&... parts) {
+  if (holds) return;
+  std::ostringstream message;
+  (message << ... << parts);
+  throw std::runtime_error(message.str());
 }
 
-at::Tensor mm_q4(const at::Tensor& x, const at::Tensor& packed) {
+// A new float32 CPU tensor of this shape. (Through the C shim: torch::stable::new_empty finds aten::new_empty by
+// name in the dispatcher at every call, a few microseconds, and a step makes about 250 of these calls.)
+Tensor empty_floats(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  AtenTensorHandle handle = nullptr;
+  check(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(),
+                                 aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0,
+                                 &handle) == AOTI_TORCH_SUCCESS,
+        "could not allocate an output");
+  return Tensor(handle);
+}
+
+Tensor dense(const Tensor& t) {
+  return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+
+Tensor as(const Tensor& t, ScalarType type) {
+  return dense(t.scalar_type() == type ? t : torch::stable::to(t, type));
+}
+
+// x [..., K] times the packed weight's transpose: [..., N] (N = 16 x groups), in x's dtype (computed in float32).
+Tensor product(const Tensor& input, const Tensor& packed, bool eight) {
+  const int64_t K = input.size(-1), nb = K / 32, bytes = eight ? fuzzyspec::Q8_BYTES : fuzzyspec::Q4_BYTES;
+  check(K % 32 == 0 && packed.dim() == 3 && packed.size(1) == nb && packed.size(2) == bytes &&
+            packed.is_contiguous() && packed.scalar_type() == ScalarType::Byte,
+        "a packed weight [groups, ", nb, ", ", bytes, "] bytes for ", K, " inputs");
+  const int64_t G = packed.size(0), N = G * fuzzyspec::ROWS;
+  const Tensor x = as(input, ScalarType::Float);
+  const int64_t M = K ? x.numel() / K : 0;
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = N;
+  Tensor out = empty_floats(shape);
+  (eight ? fuzzyspec::product_q8 : fuzzyspec::product_q4)(x.const_data_ptr<float>(), M, K,
+                                                          packed.const_data_ptr<uint8_t>(), G,
+                                                          out.mutable_data_ptr<float>());
+  return input.scalar_type() == ScalarType::Float ? out : torch::stable::to(out, input.scalar_type());
+}
+
+Tensor mm_q4(Tensor x, Tensor packed) {
   return product(x, packed, false);
 }
 
-at::Tensor mm_q8(const at::Tensor& x, const at::Tensor& packed) {
+Tensor mm_q8(Tensor x, Tensor packed) {
   return product(x, packed, true);
 }
 
 // logits [M, N] (a product over 4-bit rows, rewritten in place), x [M, K] its inputs, weight [V, K] the float rows,
 // ids [N] the weight row of each logit (RoundedRows in vocab.py).
-void top_again(at::Tensor logits, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids, int64_t k) {
-  TORCH_CHECK(logits.dim() == 2 && x.dim() == 2 && weight.dim() == 2 && ids.dim() == 1 &&
-              logits.size(0) == x.size(0) && weight.size(1) == x.size(1) && ids.size(0) == logits.size(1),
-              "logits [M, N], x [M, K], weight [V, K] and ids [N]");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
-              weight.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong, "float32 values, int64 ids");
-  TORCH_CHECK(logits.is_contiguous() && x.is_contiguous() && weight.is_contiguous() && ids.is_contiguous(),
-              "contiguous tensors");
-  fuzzyspec::top_again(logits.data_ptr<float>(), logits.size(0), logits.size(1), x.data_ptr<float>(), x.size(1),
-                       weight.data_ptr<float>(), ids.data_ptr<int64_t>(), k);
+void top_again(Tensor logits, Tensor x, Tensor weight, Tensor ids, int64_t k) {
+  check(logits.dim() == 2 && x.dim() == 2 && weight.dim() == 2 && ids.dim() == 1 && logits.size(0) == x.size(0) &&
+            weight.size(1) == x.size(1) && ids.size(0) == logits.size(1),
+        "logits [M, N], x [M, K], weight [V, K] and ids [N]");
+  check(logits.scalar_type() == ScalarType::Float && x.scalar_type() == ScalarType::Float &&
+            weight.scalar_type() == ScalarType::Float && ids.scalar_type() == ScalarType::Long,
+        "float32 values, int64 ids");
+  check(logits.is_contiguous() && x.is_contiguous() && weight.is_contiguous() && ids.is_contiguous(),
+        "contiguous tensors");
+  fuzzyspec::top_again(logits.mutable_data_ptr<float>(), logits.size(0), logits.size(1), x.const_data_ptr<float>(),
+                       x.size(1), weight.const_data_ptr<float>(), ids.const_data_ptr<int64_t>(), k);
 }
 
-at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& mask,
-                  double scale) {
-  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && mask.dim() == 4,
-              "attend: query [B, W, H, D], keys and values [B, KVH, C, D], mask [B, 1, W, C]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && mask.scalar_type() == at::kBool &&
-              (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
-              values.scalar_type() == keys.scalar_type(),
-              "attend: a float32 query, float32 or float16 keys and values, and a bool mask");
-  const at::Tensor q = query.contiguous(), k = keys.contiguous(), v = values.contiguous(), allowed = mask.contiguous();
+Tensor attend(Tensor query, Tensor keys, Tensor values, Tensor mask, double scale) {
+  check(query.dim() == 4 && keys.dim() == 4 && values.sizes().equals(keys.sizes()) && mask.dim() == 4,
+        "attend: query [B, W, H, D], keys and values [B, KVH, C, D], mask [B, 1, W, C]");
+  check(query.scalar_type() == ScalarType::Float && mask.scalar_type() == ScalarType::Bool &&
+            (keys.scalar_type() == ScalarType::Float || keys.scalar_type() == ScalarType::Half) &&
+            values.scalar_type() == keys.scalar_type(),
+        "attend: a float32 query, float32 or float16 keys and values, and a bool mask");
+  const Tensor q = dense(query), k = dense(keys), v = dense(values), allowed = dense(mask);
   const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = k.size(1), C = k.size(2);
-  TORCH_CHECK(k.size(0) >= B && k.size(3) == D && H % KVH == 0 && allowed.size(0) == B && allowed.size(2) == W &&
-              allowed.size(3) == C, "attend: shapes disagree");
-  at::Tensor out = q.new_empty(q.sizes());
-  fuzzyspec::attend(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.scalar_type() == at::kHalf,
-                    allowed.data_ptr<bool>(), static_cast<float>(scale), B, W, H, D, KVH, C, out.data_ptr<float>());
+  check(k.size(0) >= B && k.size(3) == D && H % KVH == 0 && allowed.size(0) == B && allowed.size(2) == W &&
+            allowed.size(3) == C,
+        "attend: shapes disagree");
+  Tensor out = empty_floats({B, W, H, D});
+  fuzzyspec::attend(q.const_data_ptr<float>(), k.const_data_ptr(), v.const_data_ptr(),
+                    k.scalar_type() == ScalarType::Half, allowed.const_data_ptr<bool>(), static_cast<float>(scale), B,
+                    W, H, D, KVH, C, out.mutable_data_ptr<float>());
   return out;
 }
 
 // y = w * (x / sqrt(mean(x^2) + eps)) along the last dimension of x (float32).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 tensors");
-  const at::Tensor input = x.contiguous(), w = weight.contiguous();
+Tensor rms_norm(Tensor x, Tensor weight, double eps) {
+  check(x.scalar_type() == ScalarType::Float && weight.scalar_type() == ScalarType::Float,
+        "rms_norm: float32 tensors");
+  const Tensor input = dense(x), w = dense(weight);
   const int64_t size = input.size(-1), rows = size ? input.numel() / size : 0;
-  TORCH_CHECK(w.numel() == size, "rms_norm: one weight per feature");
-  at::Tensor out = input.new_empty(input.sizes());
-  fuzzyspec::rms_norm(input.data_ptr<float>(), w.data_ptr<float>(), rows, size, static_cast<float>(eps),
-                      out.data_ptr<float>());
+  check(w.numel() == size, "rms_norm: one weight per feature");
+  Tensor out = empty_floats(std::vector<int64_t>(input.sizes().begin(), input.sizes().end()));
+  fuzzyspec::rms_norm(input.const_data_ptr<float>(), w.const_data_ptr<float>(), rows, size, static_cast<float>(eps),
+                      out.mutable_data_ptr<float>());
   return out;
+}
+
+// t [B, T, F] read where it lies where its features are contiguous and its tokens evenly spaced (q, k and v, views of
+// one fused projection's output, are); else a dense copy. Returns the tensor and its tokens' spacing.
+std::pair<Tensor, int64_t> tokens_of(const Tensor& t) {
+  if (t.stride(2) == 1) {
+    const int64_t B = t.size(0), T = t.size(1), step = T > 1 ? t.stride(1) : t.stride(0);
+    if (B == 1 || T == 1 || t.stride(0) == T * t.stride(1)) return {t, step};
+  }
+  const Tensor copy = dense(t);
+  return {copy, copy.size(-1)};
 }
 
 // A layer's rotary embedding and cache writes: q, k, v [B, T, heads * D], cos and sin [B, T, 1, D]; k rotated and v
 // go into keys and values [slots, kv_heads, capacity, D] at row where[b, 0] and position write[b, t]; returns q
 // rotated, [B, T, heads, D].
-at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                      const at::Tensor& sin, at::Tensor& keys, at::Tensor& values, const at::Tensor& where,
-                      const at::Tensor& write, int64_t heads, int64_t kv_heads) {
-  for (const at::Tensor* t : {&q, &k, &v, &cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "rope_store: float32 q, k, v, cos and sin");
-  TORCH_CHECK((keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
-              values.scalar_type() == keys.scalar_type(), "rope_store: a float32 or float16 cache");
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "rope_store: keys and values [slots, kv, capacity, D]");
+Tensor rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, Tensor where,
+                  Tensor write, int64_t heads, int64_t kv_heads) {
+  for (const Tensor* t : {&q, &k, &v, &cos, &sin})
+    check(t->scalar_type() == ScalarType::Float, "rope_store: float32 q, k, v, cos and sin");
+  check((keys.scalar_type() == ScalarType::Float || keys.scalar_type() == ScalarType::Half) &&
+            values.scalar_type() == keys.scalar_type(),
+        "rope_store: a float32 or float16 cache");
+  check(keys.dim() == 4 && values.sizes().equals(keys.sizes()), "rope_store: keys and values [slots, kv, capacity, D]");
+  check(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "rope_store: q, k and v [B, T, features]");
   const int64_t rows = q.size(0), width = q.size(1), dim = keys.size(3), capacity = keys.size(2);
-  TORCH_CHECK(q.size(-1) == heads * dim && k.size(-1) == kv_heads * dim && v.size(-1) == kv_heads * dim &&
-                  keys.size(1) == kv_heads, "rope_store: head counts and sizes disagree");
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-  const at::Tensor slot = where.to(at::kLong).contiguous(), position = write.to(at::kLong).contiguous();
-  TORCH_CHECK(cc.numel() == rows * width * dim && sc.numel() == cc.numel(), "rope_store: cos and sin [B, T, 1, D]");
-  TORCH_CHECK(slot.numel() == rows && position.numel() == rows * width, "rope_store: where [B, 1], write [B, T]");
-  const int64_t *slots = slot.data_ptr<int64_t>(), *positions = position.data_ptr<int64_t>();
+  check(k.size(0) == rows && v.size(0) == rows && k.size(1) == width && v.size(1) == width,
+        "rope_store: q, k and v for the same tokens");
+  check(q.size(-1) == heads * dim && k.size(-1) == kv_heads * dim && v.size(-1) == kv_heads * dim &&
+            keys.size(1) == kv_heads,
+        "rope_store: head counts and sizes disagree");
+  const auto [qc, q_step] = tokens_of(q);
+  const auto [kc, k_step] = tokens_of(k);
+  const auto [vc, v_step] = tokens_of(v);
+  const int64_t steps[3] = {q_step, k_step, v_step};
+  const Tensor cc = dense(cos), sc = dense(sin);
+  const Tensor slot = as(where, ScalarType::Long), position = as(write, ScalarType::Long);
+  check(cc.numel() == rows * width * dim && sc.numel() == cc.numel(), "rope_store: cos and sin [B, T, 1, D]");
+  check(slot.numel() == rows && position.numel() == rows * width, "rope_store: where [B, 1], write [B, T]");
+  const int64_t *slots = slot.const_data_ptr<int64_t>(), *positions = position.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < rows; ++b) {  // (checked before anything is written)
-    TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0), "rope_store: a row past the cache's slots");
+    check(slots[b] >= 0 && slots[b] < keys.size(0), "rope_store: a row past the cache's slots");
     for (int64_t t = 0; t < width; ++t)
-      TORCH_CHECK(positions[b * width + t] >= 0 && positions[b * width + t] < capacity,
-                  "rope_store: a position past the cache's end");
+      check(positions[b * width + t] >= 0 && positions[b * width + t] < capacity,
+            "rope_store: a position past the cache's end");
   }
-  at::Tensor out = qc.new_empty({rows, width, heads, dim});
-  fuzzyspec::Cache cache{keys.data_ptr(), values.data_ptr(), keys.scalar_type() == at::kHalf,
+  Tensor out = empty_floats({rows, width, heads, dim});
+  fuzzyspec::Cache cache{keys.mutable_data_ptr(), values.mutable_data_ptr(), keys.scalar_type() == ScalarType::Half,
                          {keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3)},
                          {values.stride(0), values.stride(1), values.stride(2), values.stride(3)}};
-  fuzzyspec::rope_store(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), cc.data_ptr<float>(),
-                        sc.data_ptr<float>(), cache, slots, positions, rows, width, heads, kv_heads, dim,
-                        out.data_ptr<float>());
+  fuzzyspec::rope_store(qc.const_data_ptr<float>(), kc.const_data_ptr<float>(), vc.const_data_ptr<float>(), steps,
+                        cc.const_data_ptr<float>(), sc.const_data_ptr<float>(), cache, slots, positions, rows, width,
+                        heads, kv_heads, dim, out.mutable_data_ptr<float>());
   return out;
 }
 
 // A tree's kept path moved down in one slot of every layer's cache, in one call: in each of ``caches`` ([slots,
 // kv_heads, capacity, D] of any dtype, D contiguous), position start + columns[i] goes to start + i.
-void keep_columns(at::TensorList caches, int64_t slot, int64_t start, at::IntArrayRef columns) {
+void keep_columns(std::vector<Tensor> caches, int64_t slot, int64_t start, std::vector<int64_t> columns) {
   const int64_t count = static_cast<int64_t>(columns.size());
   for (int64_t i = 0; i < count; ++i)
-    TORCH_CHECK(columns[i] >= i && (i == 0 || columns[i] > columns[i - 1]),
-                "keep_columns: columns ascending, each at or past its place");
-  for (const at::Tensor& t : caches) {  // (all checked before anything moves)
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1,
-                "keep_columns: CPU caches [slots, kv_heads, capacity, D], D contiguous");
-    TORCH_CHECK(slot >= 0 && slot < t.size(0) && start >= 0 &&
-                    (count == 0 || start + columns[count - 1] < t.size(2)),
-                "keep_columns: a position past the cache");
+    check(columns[i] >= i && (i == 0 || columns[i] > columns[i - 1]),
+          "keep_columns: columns ascending, each at or past its place");
+  for (const Tensor& t : caches) {  // (all checked before anything moves)
+    check(t.is_cpu() && t.dim() == 4 && t.stride(3) == 1,
+          "keep_columns: CPU caches [slots, kv_heads, capacity, D], D contiguous");
+    check(slot >= 0 && slot < t.size(0) && start >= 0 && (count == 0 || start + columns[count - 1] < t.size(2)),
+          "keep_columns: a position past the cache");
   }
-  for (const at::Tensor& t : caches) {
-    const int64_t size = t.element_size();
-    fuzzyspec::keep_columns(static_cast<char*>(t.data_ptr()) + slot * t.stride(0) * size, t.size(1),
+  for (const Tensor& t : caches) {
+    const int64_t size = static_cast<int64_t>(t.element_size());
+    fuzzyspec::keep_columns(static_cast<char*>(t.mutable_data_ptr()) + slot * t.stride(0) * size, t.size(1),
                             t.stride(1) * size, t.stride(2) * size, t.size(3) * size, start, columns.data(), count);
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY(fuzzyspec_int4, m) {
+STABLE_TORCH_LIBRARY(fuzzyspec_int4, m) {
   m.def("mm_q4(Tensor x, Tensor packed) -> Tensor");
   m.def("mm_q8(Tensor x, Tensor packed) -> Tensor");
   m.def("top_again(Tensor(a!) logits, Tensor x, Tensor weight, Tensor ids, int k) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fuzzyspec_int4, CPU, m) {
-  m.impl("mm_q4", &mm_q4);
-  m.impl("mm_q8", &mm_q8);
-  m.impl("top_again", &top_again);
+STABLE_TORCH_LIBRARY_IMPL(fuzzyspec_int4, CPU, m) {
+  m.impl("mm_q4", TORCH_BOX(&mm_q4));
+  m.impl("mm_q8", TORCH_BOX(&mm_q8));
+  m.impl("top_again", TORCH_BOX(&top_again));
 }
 
-TORCH_LIBRARY(fuzzyspec_attention, m) {
+STABLE_TORCH_LIBRARY(fuzzyspec_attention, m) {
   m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fuzzyspec_attention, CPU, m) { m.impl("attend", &attend); }
+STABLE_TORCH_LIBRARY_IMPL(fuzzyspec_attention, CPU, m) { m.impl("attend", TORCH_BOX(&attend)); }
 
-TORCH_LIBRARY(fuzzyspec_layer, m) {
+STABLE_TORCH_LIBRARY(fuzzyspec_layer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor where, Tensor write, int heads, int kv_heads) -> Tensor");
   m.def("keep_columns(Tensor(a!)[] caches, int slot, int start, int[] columns) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_store", &rope_store);
-  m.impl("keep_columns", &keep_columns);
+STABLE_TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
+  m.impl("rms_norm", TORCH_BOX(&rms_norm));
+  m.impl("rope_store", TORCH_BOX(&rope_store));
+  m.impl("keep_columns", TORCH_BOX(&keep_columns));
 }

@@ -152,3 +152,52 @@ def test_keep_columns_moves_a_kept_path_as_indexing_does(dtype):
         with pytest.raises(RuntimeError, match="keep_columns"):
             torch.ops.fuzzyspec_layer.keep_columns(caches, slot, start, columns)
     assert all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
+def test_an_older_torch_is_told_in_one_line_and_nothing_is_built(monkeypatch, tmp_path):
+    """ops.cpp is written against torch's stable ABI of 2.10: an older torch gets the reason, and floats serve."""
+    monkeypatch.setattr(kernels, "torch_version", lambda: (2, 9))
+    monkeypatch.setattr(kernels, "_library", lambda: tmp_path / "never" / "built.so")
+    assert kernels._build.__wrapped__() == f"the CPU kernels need torch 2.10 or later (this is {torch.__version__})"
+    assert not (tmp_path / "never").exists()
+
+
+def test_the_ops_take_any_layout_and_dtype_and_refuse_bad_shapes_in_one_line():
+    """A product's input in bfloat16 or strided gives what a contiguous float32 one gives (cast back); a packed weight
+    that does not fit says what it expected, with no C++ file or line in the message."""
+    generator = torch.Generator().manual_seed(5)
+    four = Int4Linear.from_codes(torch.randint(0, 16, (32, 64), generator=generator, dtype=torch.int32),
+                                 (torch.rand(32, 2, generator=generator) * 0.05 + 0.001).half(),
+                                 (torch.randn(32, 2, generator=generator) * 0.05).half())
+    x = torch.randn(3, 5, 64, generator=generator)
+    packed = four.packed
+    expected = torch.ops.fuzzyspec_int4.mm_q4(x.contiguous(), packed)
+    assert expected.shape == (3, 5, 32)
+    strided = torch.randn(5, 3, 64, generator=generator).transpose(0, 1)
+    assert torch.equal(torch.ops.fuzzyspec_int4.mm_q4(strided, packed),
+                       torch.ops.fuzzyspec_int4.mm_q4(strided.contiguous(), packed))
+    half = x.bfloat16()
+    out = torch.ops.fuzzyspec_int4.mm_q4(half, packed)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.ops.fuzzyspec_int4.mm_q4(half.float(), packed).bfloat16())
+    with pytest.raises(RuntimeError) as refused:
+        torch.ops.fuzzyspec_int4.mm_q4(torch.randn(2, 96), packed)
+    assert str(refused.value).splitlines()[0] == "a packed weight [groups, 3, 320] bytes for 96 inputs"
+
+
+def test_rope_store_reads_q_k_and_v_where_a_fused_projection_left_them():
+    """q, k and v split from one product are strided views: read in place, they give what dense copies give."""
+    generator = torch.Generator().manual_seed(7)
+    rows, width, heads, kv_heads, dim = 2, 3, 4, 2, 8
+    fused = torch.randn(rows, width, (heads + 2 * kv_heads) * dim, generator=generator)
+    q, k, v = fused.split((heads * dim, kv_heads * dim, kv_heads * dim), -1)
+    cos, sin = torch.randn(2, rows, width, 1, dim, generator=generator)
+    where = torch.tensor([[1], [0]])
+    write = torch.tensor([[4, 5, 6], [0, 1, 2]])
+    results = []
+    for inputs in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
+        keys, values = torch.zeros(2, 2, kv_heads, 8, dim).half()
+        rotated = torch.ops.fuzzyspec_layer.rope_store(*inputs, cos, sin, keys, values, where, write, heads, kv_heads)
+        results.append((rotated, keys, values))
+    assert not q.is_contiguous() and results[0][1].abs().sum() > 0
+    for strided, dense in zip(*results):
+        assert torch.equal(strided, dense)
