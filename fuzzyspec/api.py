@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .core import parallel
 from .core.config import DecodeConfig
@@ -19,6 +18,9 @@ from .hf import eos_token_ids
 from .loading import load_model, shared_vocab_size
 from .options import DEFAULT_DRAFT
 from .text import TextStream, check_prompt, check_text
+
+if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass

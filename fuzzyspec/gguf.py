@@ -1,6 +1,7 @@
 """A llama.cpp GGUF file as a target at its own 4-bit bytes: no float copy of a quantized weight is made.
 
-``load_int4`` builds a transformers ``LlamaForCausalLM`` on the meta device and fills it from the file:
+``load_int4`` builds a Llama LM of our own modules (``core.llama``, laid out as transformers' ``LlamaForCausalLM``)
+on the meta device and fills it from the file:
 every decoder linear stored in Q4_0 or Q4_1 becomes a ``core.int4.Int4Linear`` holding the file's own
 blocks (codes, float16 scales and minimums, exactly as stored); norms, the token embedding and any tensor
 in another format are dequantized to float32, exactly (Q8_0's d * q is exact in float32). An LM head stored
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from .core.int4 import GROUP, Int4Linear, Int8Linear, dequantize, fuse_projections, nibble_codes
+from .core.llama import LlamaLikeConfig, LlamaLM, Rotary
 
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
 FOUR_BIT = {"Q4_0": 2, "Q4_1": 4}  # where a block's codes start
@@ -168,9 +170,8 @@ def rope_rows(count: int, heads: int) -> np.ndarray:
     return np.arange(count).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
 
 
-def llama_config(gguf: GGUFFile):
-    """The transformers LlamaConfig a GGUF file's metadata describes (the llama architecture only)."""
-    from transformers import LlamaConfig
+def llama_config(gguf: GGUFFile) -> LlamaLikeConfig:
+    """The Llama config a GGUF file's metadata describes (the llama architecture only)."""
 
     meta = gguf.metadata
     if meta.get("general.architecture") != "llama":
@@ -181,7 +182,7 @@ def llama_config(gguf: GGUFFile):
         return meta.get(f"llama.{key}", default)
 
     heads, hidden = get("attention.head_count"), get("embedding_length")
-    return LlamaConfig(
+    return LlamaLikeConfig(
         vocab_size=gguf.tensors["token_embd.weight"].shape[0], hidden_size=hidden,
         intermediate_size=get("feed_forward_length"), num_hidden_layers=get("block_count"),
         num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads),
@@ -200,16 +201,15 @@ def int4_linears(gguf: GGUFFile) -> int:
 
 
 def load_int4(path: str | Path) -> nn.Module:
-    """A LlamaForCausalLM whose decoder linears run on the file's own 4-bit blocks (see the module docstring)."""
-    from transformers import GenerationConfig, LlamaForCausalLM
-
+    """A Llama LM (``core.llama``) whose decoder linears run on the file's own 4-bit blocks (see the module
+    docstring)."""
     gguf = GGUFFile(path)
     config = llama_config(gguf)
     if not int4_linears(gguf):
         raise ValueError(f"{path} stores no decoder weight as Q4_0 or Q4_1, the int4 kernel's blocks (Q4_K and others "
                          "are not implemented): load it with --weights fp32")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaLM(config)
     frozen = lambda tensor: nn.Parameter(tensor, requires_grad=False)  # noqa: E731
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for i, layer in enumerate(model.model.layers):
@@ -235,10 +235,9 @@ def load_int4(path: str | Path) -> nn.Module:
         model.lm_head = Int8Linear(torch.from_numpy(codes.copy()), torch.from_numpy(scales), weight)
     else:
         model.lm_head.weight = weight
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta
+    model.model.rotary_emb = Rotary(config)  # its buffers were made on meta
     fuse_projections(model)
     left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
     if left:
         raise ValueError(f"{path}: no weights for {', '.join(left[:3])}")
-    model.generation_config = GenerationConfig.from_model_config(config)
     return model.eval()

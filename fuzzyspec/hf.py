@@ -37,19 +37,22 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .core.config import DecodeConfig
 from .core.engine import decode
 from .core.sampling import Sampling
 from .core.stats import Stats
 from .options import OPTIONS, OptionError
+
+if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
+    from transformers import PreTrainedModel
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 # Logits processors that Sampling reproduces (the others are ignored with a warning).
 SAMPLING_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -255,5 +258,7 @@ def _warn_ignored_processors(logits_processor: LogitsProcessorList | None) -> No
 
 def _output(sequences: Tensor, generation_config: GenerationConfig) -> Tensor | GenerateDecoderOnlyOutput:
     if generation_config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences

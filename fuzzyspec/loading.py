@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -241,8 +242,6 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
     ``cuda:N``, or ``auto`` to spread a large model over all GPUs (``device_map="auto"``). ``tp``: shard
     it over the ranks of this ``torchrun`` launch with transformers' tensor-parallel plan (``core.parallel``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = None
     if int4_likely(name, dtype, device, weights, tp):
         # The int4 form needs the kernels (built on a machine's first use) and the file's tokenizer (converted
@@ -255,6 +254,8 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
                         "bf16 or fp32 and --device cpu or cuda")
     if form == "int4":
         return _load_int4(name, tokenizer)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     torch_dtype = resolve_dtype(form, device)
     kwargs: dict = {"dtype": torch_dtype}
     if device == "auto":
@@ -322,14 +323,12 @@ def _load_int4(name: str | None, tokenizer: PreTrainedTokenizerBase | None = Non
 def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
     """A GGUF target's tokenizer: transformers reads it from the file (several seconds), so it is kept as a
     folder in the fuzzyspec cache (the embedded model's converted folder serves when it is there)."""
-    from transformers import AutoTokenizer
-
     path = gguf_source(name)
     if not path.is_file():
         raise LoadError(f"model file not found: {name}")
     try:
         if path == embedded_gguf() and (cache_dir() / EMBEDDED / "tokenizer.json").is_file():
-            return AutoTokenizer.from_pretrained(cache_dir() / EMBEDDED)
+            return _saved_tokenizer(cache_dir() / EMBEDDED)
         folder = cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}"
         if not (folder / "tokenizer_config.json").is_file():
             tokenizer = _converted_tokenizer(path)
@@ -339,9 +338,24 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
                 partial.rename(folder)
             except OSError:  # another process finished first
                 shutil.rmtree(partial, ignore_errors=True)
-        return AutoTokenizer.from_pretrained(folder)
+        return _saved_tokenizer(folder)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         raise _unloadable(name, error) from error
+
+
+def _saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """A tokenizer saved in ``folder``. One of transformers' own class (``TokenizersBackend``, as a GGUF's converts
+    to) is built by that class: ``AutoTokenizer`` reads the folder's model config first, and a Llama config's class
+    imports ``torch.distributed.tensor`` (1.9 s of a 7.5 s answer on a 2-core CPU; see ``core.llama``)."""
+    settings = folder / "tokenizer_config.json"
+    saved = json.loads(settings.read_text()) if settings.is_file() else {}
+    if saved.get("tokenizer_class") == "TokenizersBackend":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:

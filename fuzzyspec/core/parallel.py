@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from typing import TypeVar
 
 import torch
@@ -65,6 +66,8 @@ def start(device: str) -> None:
 
 def shards(model: torch.nn.Module) -> int:
     """How many ranks share ``model``'s weights: the size of its tensor-parallel mesh, else 1."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist, and importing it takes 0.7 s
+        return 1
     from torch.distributed.tensor import DTensor
 
     weight = next((p for p in model.parameters() if isinstance(p, DTensor)), None)

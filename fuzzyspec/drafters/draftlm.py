@@ -12,17 +12,23 @@ target's rows for those N tokens only, so a draft step reads N rows, not V.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
 from ..core.vocab import DraftVocab, reduced_lm_head
 from ..train.config import trained_length
+
+if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
+    from transformers import PreTrainedModel
 
 SHARED = ("embed_tokens", "lm_head")
 
@@ -56,6 +62,29 @@ def cut_layers(config: PretrainedConfig, layers: list[int]) -> PretrainedConfig:
     return config
 
 
+def config_like(raw: dict, target_config: PretrainedConfig) -> PretrainedConfig:
+    """The config a saved ``config.json``'s fields (``raw``, with a ``model_type``) describe: of the target's own
+    config class where the model types agree (so a target of ``core.llama``'s modules needs none of transformers'
+    Llama classes), else of the class transformers registers for that type."""
+    fields = {key: value for key, value in raw.items() if key != "model_type"}
+    if raw["model_type"] == target_config.model_type:
+        return type(target_config)(**fields)
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(raw["model_type"], **fields)
+
+
+def no_random_start() -> contextlib.AbstractContextManager:
+    """transformers' ``no_init_weights`` (a model's layers made without their random start, for a loader to fill)
+    where transformers' model code is imported already; else nothing: importing it costs seconds (``core.llama``),
+    and the random start of a head's few layers milliseconds."""
+    if "transformers.modeling_utils" not in sys.modules:
+        return contextlib.nullcontext()
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
+
+
 def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[int] | None = None,
                   vocab: DraftVocab | None = None) -> DraftLM:
     """A draft with ``num_layers`` layers copied from the target (its first ones, or ``init_layers``),
@@ -67,6 +96,8 @@ def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[in
     config = cut_layers(target.config, source)
     config.fuzzyspec_shares = list(SHARED)
     config.tie_word_embeddings = False
+    from transformers import AutoModelForCausalLM
+
     draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
     decoder, target_decoder = draft.get_decoder(), target.get_decoder()
     for mine, theirs in zip(decoder.layers, source):
@@ -106,6 +137,8 @@ def save_draft_lm(draft: DraftLM, folder: str | Path, dtype: torch.dtype = torch
 
 def load_draft_lm(folder: str | Path, target: PreTrainedModel) -> DraftLM:
     """Load a shared-weight draft saved by ``save_draft_lm`` for ``target``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     if config.hidden_size != target.config.hidden_size or config.vocab_size != target.config.vocab_size:

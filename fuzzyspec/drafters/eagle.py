@@ -6,11 +6,10 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
 
 from ..core.draft import BaseDrafter, Budget, Draft, GrownShape
 from ..core.host import upload
@@ -22,6 +21,9 @@ from .chain import draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from .eagle_head import EagleHead, load_head
 from .head_step import WIDTHS, head_step
+
+if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
+    from transformers import PreTrainedModel
 
 Head = EagleHead | Eagle3Head
 

@@ -30,17 +30,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
+from transformers import PretrainedConfig
 
-from .draftlm import cut_layers
+from .draftlm import config_like, cut_layers, no_random_start
 from ..core.kvcache import DraftCache
+from ..core.llama import RMSNorm, rotate
 from ..core.vocab import DraftVocab, reduced_lm_head
+
+if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
+    from transformers import PreTrainedModel
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -56,27 +60,6 @@ def is_eagle3(folder: str | Path) -> bool:
         return False
     raw = json.loads(config.read_text())
     return ARCHITECTURE in (raw.get("architectures") or []) or "draft_vocab_size" in raw
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of x ([B, heads, T, d]) with cos, sin ([B, T, d])."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -276,7 +259,7 @@ def load_eagle3(folder: str | Path, target: PreTrainedModel) -> Eagle3Head:
     """Load a head saved by ``Eagle3Head.save`` or an EAGLE-3 release, for ``target``."""
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
-    config = AutoConfig.for_model(**raw) if "model_type" in raw else cut_layers(target.config, [0])
+    config = config_like(raw, target.config) if "model_type" in raw else cut_layers(target.config, [0])
     for key, value in raw.items():  # the EAGLE-3 fields AutoConfig does not know
         setattr(config, key, value)
     if config.hidden_size != target.config.hidden_size:
@@ -298,7 +281,7 @@ def load_eagle3(folder: str | Path, target: PreTrainedModel) -> Eagle3Head:
         raise ValueError(f"the EAGLE-3 head at {folder} maps into {vocab.target_size} target tokens, the target has "
                          f"{target.config.vocab_size}: it was trained for another target")
     weights.pop("embed_tokens.weight", None)  # some releases store the target's embedding: ours is used
-    with no_init_weights():  # every weight is loaded below (a missing one is refused): a random start is waste
+    with no_random_start():  # every weight is loaded below (a missing one is refused): a random start is waste
         head = _build(config, vocab, target)
     missing, unexpected = head.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb") and not (k.startswith("lm_head") and

@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
+from transformers import PretrainedConfig
 
 from ..core.kvcache import DraftCache, cache_keyword, model_mask
 from ..core.vocab import DraftVocab
-from .draftlm import cut_layers
+from .draftlm import config_like, cut_layers, no_random_start
+
+if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
+    from transformers import PreTrainedModel
 
 
 def head_config(target_config: PretrainedConfig, bias: bool = True) -> PretrainedConfig:
@@ -99,7 +102,7 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> EagleHead:
     if not (folder / "config.json").is_file():
         raise ValueError(f"no EAGLE head at {folder}: config.json is missing")
     raw = json.loads((folder / "config.json").read_text())
-    config = AutoConfig.for_model(**raw) if "model_type" in raw else head_config(target.config)
+    config = config_like(raw, target.config) if "model_type" in raw else head_config(target.config)
     config.bias = raw.get("bias", True)
     config._attn_implementation = target.config._attn_implementation  # else the mask is built for no kernel
     if config.hidden_size != target.config.hidden_size:
@@ -113,7 +116,7 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> EagleHead:
         raise ValueError(f"no EAGLE head weights in {folder} (model.safetensors or pytorch_model.bin)")
     weights.pop("embed_tokens.weight", None)  # some releases store the target's embedding: ours is used
     vocab = DraftVocab.from_maps(weights.pop("d2t"), weights.pop("t2d", None)) if "d2t" in weights else None
-    with no_init_weights():  # every weight is loaded below (a missing one is refused): a random start is waste
+    with no_random_start():  # every weight is loaded below (a missing one is refused): a random start is waste
         head = EagleHead.for_target(target, config)
     head.vocab = vocab
     missing, unexpected = head.load_state_dict(weights, strict=False)

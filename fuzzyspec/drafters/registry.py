@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.draft import Drafter
 from ..core.int4 import holds_blocks, round_linears
@@ -34,6 +33,9 @@ from .eagle import EagleDrafter, head_logits, load_any_head
 from .head_step import head_step
 from .lookup import CopyFirst, LookupDrafter
 from .model import ModelDrafter
+
+if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SHIPPED_KINDS = ("draft", "eagle")
 NAMES_HELP = ("'default' (the default job's drafter), 'draft', 'eagle', eagle:DIR, lookup, lookup:N, self:N, or a "

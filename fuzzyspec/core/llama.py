@@ -1,0 +1,225 @@
+"""A Llama-family causal LM built from our own modules, for a GGUF target held at its 4-bit bytes.
+
+Its modules carry transformers' names and layout (``model.layers[i].self_attn.q_proj``, ``mlp.gate_proj``,
+``input_layernorm``, ``model.rotary_emb``, ``lm_head``, ...), so our step (``core.step``), an EAGLE head built
+for it (``drafters.eagle_head``, which takes its decoder layer's class) and a state dict read it as they read
+transformers' ``LlamaForCausalLM``, and its forward computes what that model's does (tested against it).
+
+Why not transformers' own classes: importing them is most of a short answer's time. On a 2-core AVX2 EPYC
+(transformers 5.24), ``LlamaConfig`` pulled in ``torch.distributed.tensor`` through its validators (1.9 s),
+``transformers.generation.utils`` ``torch._dynamo`` (0.8 s) and ``transformers.modeling_utils`` 0.7 s more: 3.4 s
+of the README's main command's 7.5. Float targets, training and every other model still go through transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationConfig, PretrainedConfig
+
+
+class LlamaLikeConfig(PretrainedConfig):
+    """The fields of transformers' ``LlamaConfig`` that a Llama-family model's modules read (same names and
+    defaults), as a plain config: saved, it reads back as a ``LlamaConfig``."""
+
+    model_type = "llama"
+
+    def __init__(self, vocab_size: int = 32000, hidden_size: int = 4096, intermediate_size: int = 11008,
+                 num_hidden_layers: int = 32, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
+                 head_dim: int | None = None, hidden_act: str = "silu", max_position_embeddings: int = 2048,
+                 rms_norm_eps: float = 1e-6, attention_bias: bool = False, attention_dropout: float = 0.0,
+                 mlp_bias: bool = False, tie_word_embeddings: bool = False, **kwargs) -> None:
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.hidden_act, self.max_position_embeddings, self.rms_norm_eps = hidden_act, max_position_embeddings, rms_norm_eps
+        self.attention_bias, self.attention_dropout, self.mlp_bias = attention_bias, attention_dropout, mlp_bias
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(**kwargs)
+        if self._attn_implementation is None:
+            self._attn_implementation = "sdpa"
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, in float32 and cast back before the weight (as transformers' ``LlamaRMSNorm``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos and sin [B, T, D] of each position's rotary angles (the default rope: theta ** (-2i / D))."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        parameters = config.rope_parameters
+        if parameters.get("rope_type", "default") != "default":
+            raise ValueError(f"rope type {parameters['rope_type']!r} is not implemented here (only the default)")
+        dim = config.head_dim
+        # on the CPU whatever the default device: made on the meta device, an arange imports torch._dynamo (0.8 s)
+        steps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
+        inv_freq = 1.0 / (parameters["rope_theta"] ** (steps / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        angles = positions[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, D] turned by each position's angles (cos, sin [B, T, D]), halves paired."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx, self.head_dim = layer_idx, config.head_dim
+        heads, kv, hidden, bias = (config.num_attention_heads, config.num_key_value_heads, config.hidden_size,
+                                   config.attention_bias)
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+
+    def forward(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor], mask: Tensor | None,
+                cache=None) -> Tensor:
+        """``mask`` [B, 1, T, past + T], bool (True: may attend) or added to the scores; None: causal."""
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q, k, v = (projection(x).view(shape).transpose(1, 2) for projection in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = (rotate(t, *position_embeddings) for t in (q, k))
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        causal = mask is None and q.shape[2] > 1 and q.shape[2] == k.shape[2]
+        if mask is None and not causal and q.shape[2] > 1:  # new tokens after a cache: causal over the last T
+            mask = causal_mask(q.shape[2], k.shape[2], x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer, called as transformers calls its own (``cache``, ``position_embeddings``, a 4D
+    ``attention_mask``): an EAGLE head built for this model takes it as its layer."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                cache=None, use_cache: bool = False, position_embeddings: tuple[Tensor, Tensor] | None = None,
+                **_) -> Tensor:
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                                           cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def causal_mask(width: int, length: int, device: torch.device) -> Tensor:
+    """[1, 1, width, length] bool: the last ``width`` of ``length`` positions each see every position up to its own."""
+    return torch.ones(width, length, dtype=torch.bool, device=device).tril(length - width)[None, None]
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        # left unset (as torch.empty leaves it), as the rest are for a loader to fill: a random start here would
+        # run torch's initialiser, which on the meta device imports torch._dynamo (0.8 s)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = Rotary(config)
+
+
+@dataclass
+class Output:
+    """What transformers' causal LMs return, as far as callers here read it."""
+
+    logits: Tensor
+    hidden_states: tuple[Tensor, ...] | None = None
+    past_key_values: object = None
+
+
+class LlamaLM(nn.Module):
+    """A Llama-family causal LM (see the module docstring), with the parts of transformers' ``PreTrainedModel``
+    that callers here use: ``config``, ``generation_config``, ``device``, ``dtype``, the embedding accessors and
+    ``forward``."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.generation_config = GenerationConfig.from_model_config(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def get_decoder(self) -> Decoder:
+        return self.model
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                cache=None, past_key_values=None, use_cache: bool = False, logits_to_keep: int = 0,
+                output_hidden_states: bool = False, **_) -> Output:
+        """Logits of ``input_ids`` [B, T] after ``cache`` (a transformers cache, or None). ``attention_mask``:
+        [B, past + T] (1: a real token) or a 4D mask passed through; ``logits_to_keep``: only the last that many
+        (0: all). ``output_hidden_states``: each layer's input, then the final normed output."""
+        cache = cache if cache is not None else past_key_values
+        past = cache.get_seq_length() if cache is not None else 0
+        width = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(past, past + width, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        mask = attention_mask
+        if mask is not None and mask.dim() == 2:  # causal, never to a pad; a pad sees itself (a row of none is NaN)
+            query = torch.arange(past, past + width, device=mask.device)[:, None]
+            key = torch.arange(past + width, device=mask.device)
+            mask = (key <= query) & (mask.bool()[:, None, None, :] | (key == query))
+        h = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb(h, position_ids)
+        hidden = []
+        for layer in self.model.layers:
+            hidden.append(h)
+            h = layer(h, attention_mask=mask, cache=cache, position_embeddings=rotary)
+        h = self.model.norm(h)
+        hidden.append(h)
+        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        return Output(logits, tuple(hidden) if output_hidden_states else None, cache if use_cache else None)
