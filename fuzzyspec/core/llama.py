@@ -150,8 +150,8 @@ def causal_mask(width: int, length: int, device: torch.device) -> Tensor:
 class Decoder(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        # left unset (as torch.empty leaves it), as the rest are for a loader to fill: a random start here would
-        # run torch's initialiser, which on the meta device imports torch._dynamo (0.8 s)
+        # left unset (torch.empty): a loader fills every weight, and torch's normal initialiser, run on the meta
+        # device, imports torch._dynamo (0.8 s)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
