@@ -172,7 +172,6 @@ def rope_rows(count: int, heads: int) -> np.ndarray:
 
 def llama_config(gguf: GGUFFile) -> LlamaLikeConfig:
     """The Llama config a GGUF file's metadata describes (the llama architecture only)."""
-
     meta = gguf.metadata
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"int4 weights are implemented for llama GGUFs; {gguf.path} is "
