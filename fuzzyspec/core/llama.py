@@ -43,8 +43,16 @@ class LlamaLikeConfig(PretrainedConfig):
             self._attn_implementation = "sdpa"
 
 
+def normed(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight along the last dimension, in float32 and cast back before the weight (as transformers'
+    ``LlamaRMSNorm``)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, in float32 and cast back before the weight (as transformers' ``LlamaRMSNorm``)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -52,10 +60,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        return normed(x, self.weight, self.variance_epsilon)
 
 
 class Rotary(nn.Module):
@@ -79,8 +84,7 @@ class Rotary(nn.Module):
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, heads, T, D] turned by each position's angles (cos, sin [B, T, D]), halves paired."""
-    cos, sin = cos[:, None], sin[:, None]
+    """x [..., D] turned by its position's angles (cos, sin broadcast to x), the two halves of D paired."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -101,7 +105,8 @@ class Attention(nn.Module):
         """``mask`` [B, 1, T, past + T], bool (True: may attend) or added to the scores; None: causal."""
         shape = (*x.shape[:-1], -1, self.head_dim)
         q, k, v = (projection(x).view(shape).transpose(1, 2) for projection in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = (rotate(t, *position_embeddings) for t in (q, k))
+        cos, sin = (t[:, None] for t in position_embeddings)  # over the heads of [B, heads, T, D]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         causal = mask is None and q.shape[2] > 1 and q.shape[2] == k.shape[2]
@@ -112,9 +117,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int, bias: bool = False) -> None:
         super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
@@ -130,7 +136,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

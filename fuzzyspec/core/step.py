@@ -39,6 +39,7 @@ from .graphs import Graphs
 from .int4 import holds_blocks, projection_groups
 from .kept import Kept, NotKept, fingerprint, marked_like, structure
 from .kvcache import StaticCache, attention_mask, cache_keyword, chain_tree, write_positions
+from .llama import normed, rotate
 from .parallel import shards
 
 Features = dict[int, Tensor]
@@ -86,10 +87,7 @@ def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
         return x
     if _fused(x) and norm.weight.dtype == torch.float32:
         return torch.ops.fuzzyspec_layer.rms_norm(x, norm.weight, norm.variance_epsilon)
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
+    return normed(x, norm.weight, norm.variance_epsilon)
 
 
 def _fused(x: Tensor) -> bool:
@@ -99,11 +97,6 @@ def _fused(x: Tensor) -> bool:
     not while compiling (inductor fuses them itself)."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and kernels.available())
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
 def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
@@ -124,8 +117,8 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
     if _fused(h) and cos.dtype == torch.float32 and keys.dtype in (torch.float32, torch.float16):
         q = torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, keys, values, where, write, heads.count, heads.kv)
     else:
-        q = _rotate(q.view(rows, width, heads.count, heads.dim), cos, sin)
-        k = _rotate(k.view(rows, width, heads.kv, heads.dim), cos, sin)
+        q = rotate(q.view(rows, width, heads.count, heads.dim), cos, sin)
+        k = rotate(k.view(rows, width, heads.kv, heads.dim), cos, sin)
         v = v.view(rows, width, heads.kv, heads.dim)
         # [B, k, kv_heads, D] is the layout the advanced indices (first) give: no transpose to write.
         keys[where, :, write] = k

@@ -40,7 +40,7 @@ from transformers import PretrainedConfig
 
 from .draftlm import config_like, cut_layers, no_random_start
 from ..core.kvcache import DraftCache
-from ..core.llama import RMSNorm, rotate
+from ..core.llama import MLP, RMSNorm, causal_mask, rotate
 from ..core.vocab import DraftVocab, reduced_lm_head
 
 if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
@@ -83,6 +83,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # over the heads of [B, heads, T, d]
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
@@ -92,18 +93,6 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.o_proj(out.transpose(1, 2).flatten(2))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MidLayer(nn.Module):
@@ -116,7 +105,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def inputs(self, embeds: Tensor, hidden: Tensor) -> Tensor:
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
@@ -166,7 +155,7 @@ class Eagle3Head(nn.Module):
         if positions is None:
             positions = torch.arange(past, past + t, device=hidden.device).unsqueeze(0).expand(b, -1)
         if mask is None:
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=hidden.device).tril(past)[None, None]
+            mask = causal_mask(t, past + t, hidden.device)
         layer = self.midlayer
         q, k, v = layer.self_attn.project(layer.inputs(embeds, hidden), *self._rope(hidden, positions))
         if cache is not None:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from ..core.kvcache import DraftCache, cache_keyword, model_mask
+from ..core.llama import causal_mask
 from ..core.vocab import DraftVocab
 from .draftlm import config_like, cut_layers, no_random_start
 
@@ -80,7 +81,7 @@ class EagleHead(nn.Module):
         if positions is None:
             positions = torch.arange(past, past + width, device=hidden.device).unsqueeze(0)
         if mask is None:  # causal after the whole cache
-            mask = torch.ones(width, past + width, dtype=torch.bool, device=hidden.device).tril(past)[None, None]
+            mask = causal_mask(width, past + width, hidden.device)
         return self.layers[0](hidden, attention_mask=model_mask(self, mask), position_ids=positions,
                               **{self.cache_keyword: cache}, use_cache=cache is not None,
                               position_embeddings=self.rotary_emb(hidden, positions))

@@ -5,7 +5,8 @@ import torch
 from conftest import run_step as run, tiny_llama
 from fuzzyspec.core import kernels, step as step_module
 from fuzzyspec.core.kvcache import StaticCache, chain_tree
-from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep, _rotate, fuse_float_projections, rms_norm
+from fuzzyspec.core.llama import rotate
+from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep, fuse_float_projections, rms_norm
 
 
 def plain(model, tokens):
@@ -85,9 +86,9 @@ def test_an_eager_steps_fused_norm_and_rotary_calls_compute_what_pytorch_does(ta
     keys, values = torch.zeros(3, 2, 10, 8), torch.zeros(3, 2, 10, 8)
     where, write = torch.tensor([[2], [0]]), torch.tensor([[4, 5, 6], [0, 1, 2]])
     rotated = torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, keys, values, where, write, 4, 2)
-    assert torch.equal(rotated, _rotate(q.view(2, 3, 4, 8), cos, sin))
+    assert torch.equal(rotated, rotate(q.view(2, 3, 4, 8), cos, sin))
     expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
-    expected_keys[where, :, write] = _rotate(k.view(2, 3, 2, 8), cos, sin)
+    expected_keys[where, :, write] = rotate(k.view(2, 3, 2, 8), cos, sin)
     expected_values[where, :, write] = v.view(2, 3, 2, 8)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     with pytest.raises(RuntimeError, match="past the cache's end"):  # refused before anything is written
