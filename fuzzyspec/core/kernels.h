@@ -42,5 +42,26 @@ void rope_store(const float* q, const float* k, const float* v, const int64_t* t
 // ``position_stride`` bytes, each ``bytes`` long), position start + columns[i] moved to start + i.
 void keep_columns(char* row, int64_t heads, int64_t head_stride, int64_t position_stride, int64_t bytes,
                   int64_t start, const int64_t* columns, int64_t count);
+// out [rows, inner] = silu(gate) * up, where each of the rows holds gate (its first ``inner`` floats) and up (the
+// next ``inner``), rows ``stride`` floats apart (a fused gate|up product's output).
+void silu_mul(const float* gate_up, int64_t rows, int64_t inner, int64_t stride, float* out);
+
+// A Llama-family decoder layer of a 4-bit target, whole: its norms' float32 weights, its projections packed for
+// product_q4 (q|k|v fused, and gate|up), and its shape.
+struct Layer {
+  const float *input_norm, *post_norm;
+  float input_eps, post_eps;
+  const uint8_t *qkv, *o, *gate_up, *down;
+  int64_t qkv_groups, o_groups, gate_up_groups, down_groups;
+  int64_t hidden, inner, heads, kv_heads, dim;
+  float scale;  // attention's
+};
+// out [rows, width, hidden] = the layer over h [rows, width, hidden], in one call where eager PyTorch made about
+// twenty: the same kernels as the separate ops, in the same order, so the same numbers. Its keys and values go into
+// the cache (contiguous [slots, kv_heads, capacity, D]) at slot slots[b] and position positions[b * width + t], and
+// attention reads slot slots[b] where mask [rows, 1, width, capacity] allows; cos, sin [rows, width, 1, D].
+void decoder_layer(const float* h, const Layer& layer, const float* cos, const float* sin, const Cache& cache,
+                   int64_t capacity, const bool* mask, const int64_t* slots, const int64_t* positions, int64_t rows,
+                   int64_t width, float* out);
 
 }  // namespace fuzzyspec

@@ -130,6 +130,29 @@ Tensor rms_norm(Tensor x, Tensor weight, double eps) {
   return out;
 }
 
+// The checks a layer's cache writes need, before anything is written: where [B, 1] and write [B, T] (int64) name
+// a slot and a position within keys [slots, kv_heads, capacity, D] for each token. Returns them as int64.
+std::pair<Tensor, Tensor> slots_and_positions(const Tensor& where, const Tensor& write, const Tensor& keys,
+                                              int64_t rows, int64_t width, const char* op) {
+  const Tensor slot = as(where, ScalarType::Long), position = as(write, ScalarType::Long);
+  check(slot.numel() == rows && position.numel() == rows * width, op, ": where [B, 1], write [B, T]");
+  const int64_t *slots = slot.const_data_ptr<int64_t>(), *positions = position.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b) {
+    check(slots[b] >= 0 && slots[b] < keys.size(0), op, ": a row past the cache's slots");
+    for (int64_t t = 0; t < width; ++t)
+      check(positions[b * width + t] >= 0 && positions[b * width + t] < keys.size(2), op,
+            ": a position past the cache's end");
+  }
+  return {slot, position};
+}
+
+// The kernels' view of a layer's cache tensors (checked already).
+fuzzyspec::Cache cache_of(Tensor& keys, Tensor& values) {
+  return {keys.mutable_data_ptr(), values.mutable_data_ptr(), keys.scalar_type() == ScalarType::Half,
+          {keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3)},
+          {values.stride(0), values.stride(1), values.stride(2), values.stride(3)}};
+}
+
 // t [B, T, F] read where it lies where its features are contiguous and its tokens evenly spaced (q, k and v, views of
 // one fused projection's output, are); else a dense copy. Returns the tensor and its tokens' spacing.
 std::pair<Tensor, int64_t> tokens_of(const Tensor& t) {
@@ -153,7 +176,7 @@ Tensor rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor k
         "rope_store: a float32 or float16 cache");
   check(keys.dim() == 4 && values.sizes().equals(keys.sizes()), "rope_store: keys and values [slots, kv, capacity, D]");
   check(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "rope_store: q, k and v [B, T, features]");
-  const int64_t rows = q.size(0), width = q.size(1), dim = keys.size(3), capacity = keys.size(2);
+  const int64_t rows = q.size(0), width = q.size(1), dim = keys.size(3);
   check(k.size(0) == rows && v.size(0) == rows && k.size(1) == width && v.size(1) == width,
         "rope_store: q, k and v for the same tokens");
   check(q.size(-1) == heads * dim && k.size(-1) == kv_heads * dim && v.size(-1) == kv_heads * dim &&
@@ -164,23 +187,79 @@ Tensor rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor k
   const auto [vc, v_step] = tokens_of(v);
   const int64_t steps[3] = {q_step, k_step, v_step};
   const Tensor cc = dense(cos), sc = dense(sin);
-  const Tensor slot = as(where, ScalarType::Long), position = as(write, ScalarType::Long);
   check(cc.numel() == rows * width * dim && sc.numel() == cc.numel(), "rope_store: cos and sin [B, T, 1, D]");
-  check(slot.numel() == rows && position.numel() == rows * width, "rope_store: where [B, 1], write [B, T]");
+  const auto [slot, position] = slots_and_positions(where, write, keys, rows, width, "rope_store");
   const int64_t *slots = slot.const_data_ptr<int64_t>(), *positions = position.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < rows; ++b) {  // (checked before anything is written)
-    check(slots[b] >= 0 && slots[b] < keys.size(0), "rope_store: a row past the cache's slots");
-    for (int64_t t = 0; t < width; ++t)
-      check(positions[b * width + t] >= 0 && positions[b * width + t] < capacity,
-            "rope_store: a position past the cache's end");
-  }
   Tensor out = empty_floats({rows, width, heads, dim});
-  fuzzyspec::Cache cache{keys.mutable_data_ptr(), values.mutable_data_ptr(), keys.scalar_type() == ScalarType::Half,
-                         {keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3)},
-                         {values.stride(0), values.stride(1), values.stride(2), values.stride(3)}};
+  const fuzzyspec::Cache cache = cache_of(keys, values);
   fuzzyspec::rope_store(qc.const_data_ptr<float>(), kc.const_data_ptr<float>(), vc.const_data_ptr<float>(), steps,
                         cc.const_data_ptr<float>(), sc.const_data_ptr<float>(), cache, slots, positions, rows, width,
                         heads, kv_heads, dim, out.mutable_data_ptr<float>());
+  return out;
+}
+
+// silu(gate) * up of a fused gate|up product's output [..., 2 * inner] (its halves): [..., inner].
+Tensor silu_mul(Tensor gate_up) {
+  check(gate_up.scalar_type() == ScalarType::Float && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+        "silu_mul: a float32 gate|up output of even width");
+  const Tensor input = dense(gate_up);
+  const int64_t inner = gate_up.size(-1) / 2, rows = inner ? gate_up.numel() / (2 * inner) : 0;
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = inner;
+  Tensor out = empty_floats(shape);
+  fuzzyspec::silu_mul(input.const_data_ptr<float>(), rows, inner, 2 * inner, out.mutable_data_ptr<float>());
+  return out;
+}
+
+// A packed 4-bit weight for product_q4 with ``inputs`` inputs and at least ``outputs`` outputs: its groups.
+int64_t groups_of(const Tensor& packed, int64_t inputs, int64_t outputs, const char* name) {
+  check(packed.dim() == 3 && packed.size(1) * 32 == inputs && packed.size(2) == fuzzyspec::Q4_BYTES &&
+            packed.size(0) * fuzzyspec::ROWS >= outputs && packed.is_contiguous() &&
+            packed.scalar_type() == ScalarType::Byte,
+        "decoder_layer: ", name, " packed as [groups, ", inputs / 32, ", ", fuzzyspec::Q4_BYTES, "] bytes for ",
+        inputs, " inputs and ", outputs, " outputs");
+  return packed.size(0);
+}
+
+// A 4-bit target's decoder layer, whole (layer_kernel.cpp): h [B, T, hidden] -> [B, T, hidden]; the cache as
+// rope_store takes it (contiguous here), mask [B, 1, T, capacity] as attend does.
+Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, Tensor o, Tensor post_norm,
+                     double post_eps, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor keys, Tensor values,
+                     Tensor where, Tensor write, Tensor mask, int64_t heads, int64_t kv_heads, double scale) {
+  check(h.dim() == 3 && h.scalar_type() == ScalarType::Float, "decoder_layer: h [B, T, hidden] float32");
+  check((keys.scalar_type() == ScalarType::Float || keys.scalar_type() == ScalarType::Half) &&
+            values.scalar_type() == keys.scalar_type() && keys.dim() == 4 && values.sizes().equals(keys.sizes()) &&
+            keys.is_contiguous() && values.is_contiguous() && keys.size(1) == kv_heads,
+        "decoder_layer: contiguous float32 or float16 keys and values [slots, kv_heads, capacity, D]");
+  const int64_t rows = h.size(0), width = h.size(1), hidden = h.size(2), dim = keys.size(3), capacity = keys.size(2);
+  const int64_t inner = down.dim() == 3 ? down.size(1) * 32 : 0;
+  for (const Tensor* norm : {&input_norm, &post_norm})
+    check(norm->scalar_type() == ScalarType::Float && norm->numel() == hidden && norm->is_contiguous(),
+          "decoder_layer: float32 norm weights, one per feature");
+  check(kv_heads > 0 && heads % kv_heads == 0, "decoder_layer: heads in whole groups per kv head");
+  const int64_t qkv_groups = groups_of(qkv, hidden, (heads + 2 * kv_heads) * dim, "q|k|v"),
+                o_groups = groups_of(o, heads * dim, hidden, "o"),
+                gate_up_groups = groups_of(gate_up, hidden, 2 * inner, "gate|up"),
+                down_groups = groups_of(down, inner, hidden, "down");
+  const fuzzyspec::Layer layer{input_norm.const_data_ptr<float>(), post_norm.const_data_ptr<float>(),
+                               static_cast<float>(input_eps), static_cast<float>(post_eps),
+                               qkv.const_data_ptr<uint8_t>(), o.const_data_ptr<uint8_t>(),
+                               gate_up.const_data_ptr<uint8_t>(), down.const_data_ptr<uint8_t>(),
+                               qkv_groups, o_groups, gate_up_groups, down_groups,
+                               hidden, inner, heads, kv_heads, dim, static_cast<float>(scale)};
+  const Tensor x = dense(h), c = dense(cos), s = dense(sin), allowed = dense(mask);
+  check(c.scalar_type() == ScalarType::Float && s.scalar_type() == ScalarType::Float &&
+            c.numel() == rows * width * dim && s.numel() == c.numel(),
+        "decoder_layer: float32 cos and sin [B, T, 1, D]");
+  check(allowed.scalar_type() == ScalarType::Bool && allowed.dim() == 4 && allowed.size(0) == rows &&
+            allowed.size(2) == width && allowed.size(3) == capacity,
+        "decoder_layer: a bool mask [B, 1, T, capacity]");
+  const auto [slot, position] = slots_and_positions(where, write, keys, rows, width, "decoder_layer");
+  Tensor out = empty_floats({rows, width, hidden});
+  const fuzzyspec::Cache cache = cache_of(keys, values);
+  fuzzyspec::decoder_layer(x.const_data_ptr<float>(), layer, c.const_data_ptr<float>(), s.const_data_ptr<float>(),
+                           cache, capacity, allowed.const_data_ptr<bool>(), slot.const_data_ptr<int64_t>(),
+                           position.const_data_ptr<int64_t>(), rows, width, out.mutable_data_ptr<float>());
   return out;
 }
 
@@ -229,10 +308,16 @@ STABLE_TORCH_LIBRARY(fuzzyspec_layer, m) {
   m.def("rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor where, Tensor write, int heads, int kv_heads) -> Tensor");
   m.def("keep_columns(Tensor(a!)[] caches, int slot, int start, int[] columns) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("decoder_layer(Tensor h, Tensor input_norm, float input_eps, Tensor qkv, Tensor o, Tensor post_norm, "
+        "float post_eps, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
+        "Tensor where, Tensor write, Tensor mask, int heads, int kv_heads, float scale) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
   m.impl("rms_norm", TORCH_BOX(&rms_norm));
   m.impl("rope_store", TORCH_BOX(&rope_store));
   m.impl("keep_columns", TORCH_BOX(&keep_columns));
+  m.impl("silu_mul", TORCH_BOX(&silu_mul));
+  m.impl("decoder_layer", TORCH_BOX(&decoder_layer));
 }

@@ -36,7 +36,7 @@ from . import kernels
 from .attention import attend, runs as attention_runs
 from .cost import Profile
 from .graphs import Graphs
-from .int4 import holds_blocks, projection_groups
+from .int4 import Int4Linear, holds_blocks, projection_groups
 from .kept import Kept, NotKept, fingerprint, marked_like, structure
 from .kvcache import StaticCache, attention_mask, cache_keyword, chain_tree, write_positions
 from .llama import normed, rotate
@@ -136,11 +136,34 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
     h = h + attention.o_proj(out.reshape(rows, width, heads.count * heads.dim))
     mlp = layer.mlp
     x = rms_norm(layer.post_attention_layernorm, h)
+    if gate_up is not None and _fused(h):  # (one call, and the whole layer's op computes it so: ``whole_layers``)
+        return h + mlp.down_proj(torch.ops.fuzzyspec_layer.silu_mul(gate_up(x)))
     if gate_up is not None:
         gate, up = gate_up(x).chunk(2, -1)
     else:
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     return h + mlp.down_proj(F.silu(gate) * up)
+
+
+def whole_layers(layers, qkv: list, gate_up: list, heads: Heads) -> list[tuple] | None:
+    """What ``fuzzyspec_layer.decoder_layer`` takes of each of a 4-bit target's Llama-family ``layers`` (its norms'
+    weights and epsilons, its packed projections), to run each layer in one call in an eager float32 step: about 20
+    ops a layer through Python cost an eager step of the embedded model about a third of its time. The call runs
+    ``decoder_layer``'s fused path's kernels in its order, so it gives the same numbers (tested). None unless every
+    layer has fused 4-bit projections (``int4.fuse``), RMSNorms with float32 weights and our attention."""
+    if not heads.invariant:
+        return None
+    found = []
+    for layer, fused_qkv, fused_gate_up in zip(layers, qkv, gate_up):
+        attention, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not (all(isinstance(m, Int4Linear) for m in (fused_qkv, attention.o_proj, fused_gate_up, mlp.down_proj))
+                and all(getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32
+                        and hasattr(n, "variance_epsilon") for n in norms)):
+            return None
+        found.append((norms[0].weight, norms[0].variance_epsilon, fused_qkv.packed, attention.o_proj.packed,
+                      norms[1].weight, norms[1].variance_epsilon, fused_gate_up.packed, mlp.down_proj.packed))
+    return found
 
 
 class LlamaForward(nn.Module):
@@ -158,6 +181,7 @@ class LlamaForward(nn.Module):
         # fused projections where the loader made them (``int4.fuse``): one product for q, k and v, one for gate/up
         self.qkv = [getattr(layer.self_attn, "qkv_proj", None) for layer in self.decoder.layers]
         self.gate_up = [getattr(layer.mlp, "gate_up_proj", None) for layer in self.decoder.layers]
+        self.whole = whole_layers(self.decoder.layers, self.qkv, self.gate_up, self.heads)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -174,11 +198,18 @@ class LlamaForward(nn.Module):
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, k, heads, D]
         where = (slots if slots is not None else torch.arange(rows, device=tokens.device))[:, None]
         found: Features = {}
+        whole = self.whole is not None and _fused(h) and cache.keys[0].dtype in (torch.float32, torch.float16)
+        heads = self.heads
         for i, layer in enumerate(self.decoder.layers):
             if i in features:
                 found[i] = h
-            h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
-                              self.heads, self.qkv[i], self.gate_up[i])
+            if whole:
+                h = torch.ops.fuzzyspec_layer.decoder_layer(h, *self.whole[i], cos, sin, cache.keys[i], cache.values[i],
+                                                            where, write, mask, heads.count, heads.kv,
+                                                            heads.dim ** -0.5)
+            else:
+                h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots, heads,
+                                  self.qkv[i], self.gate_up[i])
         h = rms_norm(self.decoder.norm, h)
         if self.layer_count in features:
             found[self.layer_count] = h

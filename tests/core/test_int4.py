@@ -112,6 +112,49 @@ def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fuse
 
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+def test_a_4bit_layer_in_one_call_gives_what_its_separate_ops_give(cache_dtype):
+    """An eager float32 step of a 4-bit target runs each decoder layer in one call (``step.whole_layers``): the same
+    kernels in the same order as the layer's separate ops, so the same logits, hidden states and cache, bit for bit,
+    for rows of different lengths, a tree, and a row joining into a slot of its own; a position past the cache's
+    end is refused with one line before anything is written."""
+    from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+
+    model = int4_model(seed=3, fused=True, hidden=64)
+    whole, separate = TargetStep(model), TargetStep(model)
+    separate.forward.whole = None
+    assert whole.forward.whole is not None and len(whole.forward.whole) == 2
+    tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    results = []
+    for step in (whole, separate):
+        cache = StaticCache.for_model(model.config, 3, 32, cache_dtype, "cpu")
+        seen = []
+        with torch.inference_mode():
+            cache.lengths = [0, 0]
+            seen.append(run_step(step, cache, [[3, 9, 4, 4, 8], [7, 1, 2, 5, 6]], features=(0, 1, 2)))
+            cache.lengths = [3, 5]
+            seen.append(run_step(step, cache, [[6, 11, 12, 13], [2, 2, 3, 1]], tree.expand(2, 4, 4),
+                                 torch.tensor([[0, 1, 1, 2]] * 2)))
+            starts = torch.tensor([0])  # a row joining in slot 2
+            seen.append(step(cache, torch.tensor([[5, 4, 3]]), write_positions(starts, 3), write_positions(starts, 3),
+                             attention_mask(starts, chain_tree(1, 3, "cpu"), cache.capacity), torch.tensor([2])))
+        results.append((seen, cache.keys, cache.values))
+    (seen, keys, values), (expected, expected_keys, expected_values) = results
+    for (logits, found), (expected_logits, expected_found) in zip(seen, expected):
+        assert torch.equal(logits, expected_logits)
+        assert found.keys() == expected_found.keys() and all(torch.equal(found[i], expected_found[i]) for i in found)
+    assert all(map(torch.equal, keys + values, expected_keys + expected_values))
+    before = [t.clone() for t in keys]
+    layer = model.model.layers[0]
+    h, cos, sin = torch.randn(1, 2, 64), torch.ones(1, 2, 1, 16), torch.zeros(1, 2, 1, 16)
+    with pytest.raises(RuntimeError) as refused:
+        torch.ops.fuzzyspec_layer.decoder_layer(h, *whole.forward.whole[0], cos, sin, keys[0], values[0],
+                                                torch.tensor([[0]]), torch.tensor([[31, 32]]),
+                                                torch.ones(1, 1, 2, 32, dtype=torch.bool), 4, 2, 0.25)
+    assert str(refused.value).splitlines()[0] == "decoder_layer: a position past the cache's end"
+    assert all(map(torch.equal, keys, before)) and layer.self_attn.qkv_proj.packed.shape[0] > 0
+
+
 def test_a_4bit_target_caches_its_keys_and_values_in_float16_a_float_one_in_its_own_dtype(target):
     """Half the bytes a step reads at each cached position, as llama.cpp keeps them by default; only where our
     own forward and attention read the cache (transformers' forward keeps the weights' dtype)."""

@@ -27,7 +27,8 @@ torch.save({"four": four(x), "eight": eight(x), "alone": torch.cat([four(x[i: i 
             "attention16": attend(saved["attention"][0], saved["attention"][1].half(), saved["attention"][2].half(),
                                   saved["attention"][3], 0.125),
             "long": attend(*saved["long"], 0.125),
-            "norm": torch.ops.fuzzyspec_layer.rms_norm(x, saved["x"][0], 1e-5)}, sys.argv[3])
+            "norm": torch.ops.fuzzyspec_layer.rms_norm(x, saved["x"][0], 1e-5),
+            "silu": torch.ops.fuzzyspec_layer.silu_mul(x[:, :90])}, sys.argv[3])
 """
 
 
@@ -75,6 +76,7 @@ def test_every_build_this_cpu_can_run_computes_the_same_numbers(tmp_path):
         assert torch.equal(out["attention16"], attend(query, keys.half(), values.half(), mask, 0.125)), name
         assert torch.equal(out["long"], attend(*saved["long"], 0.125)), name
         assert torch.equal(out["norm"], torch.ops.fuzzyspec_layer.rms_norm(saved["x"], saved["x"][0], 1e-5)), name
+        assert torch.equal(out["silu"], torch.ops.fuzzyspec_layer.silu_mul(saved["x"][:, :90])), name
 
 
 def test_a_build_started_ahead_is_waited_for_not_repeated(monkeypatch, tmp_path):
@@ -201,3 +203,22 @@ def test_rope_store_reads_q_k_and_v_where_a_fused_projection_left_them():
     assert not q.is_contiguous() and results[0][1].abs().sum() > 0
     for strided, dense in zip(*results):
         assert torch.equal(strided, dense)
+
+
+def test_silu_mul_is_silu_of_the_gate_times_up_each_number_alike():
+    """A fused gate|up output's silu(gate) * up: as close to float64's as PyTorch's is, and each number by the same
+    operations wherever it lies: a row alone or in a batch, and in a row's last few (narrower than a vector) or
+    not."""
+    generator = torch.Generator().manual_seed(11)
+    gate_up = torch.randn(6, 2 * 24, generator=generator) * 6
+    out = torch.ops.fuzzyspec_layer.silu_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, -1)
+    exact = torch.nn.functional.silu(gate) * up
+    assert out.shape == (6, 24) and ((out.double() - exact).abs() <= 4e-7 * exact.abs() + 1e-30).all()
+    assert torch.equal(torch.cat([torch.ops.fuzzyspec_layer.silu_mul(row[None]) for row in gate_up]), out)
+    narrow = torch.cat([gate_up[:, :13], gate_up[:, 24:37]], -1)  # 13 each: one vector and 5 more
+    assert torch.equal(torch.ops.fuzzyspec_layer.silu_mul(narrow), out[:, :13])
+    assert torch.equal(torch.ops.fuzzyspec_layer.silu_mul(gate_up[:, None]), out[:, None])  # any leading shape
+    with pytest.raises(RuntimeError) as refused:
+        torch.ops.fuzzyspec_layer.silu_mul(torch.randn(2, 7))
+    assert str(refused.value).splitlines()[0] == "silu_mul: a float32 gate|up output of even width"
