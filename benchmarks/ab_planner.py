@@ -24,7 +24,8 @@ pace, as before ``Profile.pace``), ``oneband`` (one row's passes priced alike af
 capacity, as before its direct calls, 2026-11-27), ``indexkeep`` (a tree's kept path moved in the
 target's cache by two indexing operations a layer's tensor, as before ``layer_kernel.cpp``'s ``keep_columns``,
 2026-11-27), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit target's float16 cache,
-2026-11-27), ``head2``,
+2026-11-27), ``perop`` (a 4-bit target's eager layers op by op, as before their one call each,
+``step.whole_layers``, 2026-11-29), ``head2``,
 ``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
 job of its own: two heads compared alike);
 ``held`` (every row held back from drafting by the plan; copies still proposed),
@@ -37,8 +38,8 @@ where every other variant starts from an empty one);
 ``cap256`` (a compiled step's caches starting at 256 positions, as before 2026-11-28, afternoon: every capacity the
 prompts reach compiled ahead for it too); ``dynamo`` (the target's compiled steps through dynamo with frozen weights,
 a graph per capacity, as before ``core.kept``, 2026-11-28, evening);
-``pywrapper``, ``unfused``, ``f32cache``, ``cap256`` and ``dynamo`` also join ``ar`` (``ar+pywrapper``,
-``ar+unfused``, ``ar+f32cache``, ``ar+cap256``, ``ar+dynamo``).
+``pywrapper``, ``unfused``, ``f32cache``, ``perop``, ``cap256`` and ``dynamo`` also join ``ar`` (``ar+pywrapper``,
+``ar+unfused``, ``ar+f32cache``, ``ar+perop``, ``ar+cap256``, ``ar+dynamo``).
 The planner before 2026-11-26 is ``meanfold+w2m95+p6+k15``; ``default`` is the planner as shipped.
 
 With ``--context N`` each everyday prompt is asked as the last turn of a long chat: after whole exchanges of held-out
@@ -109,8 +110,8 @@ SHIPPED_KERNELS = kvcache.kernels
 DIRECT: dict = {}  # each EAGLE head step's kept graphs (``core.kept``; ``dynamohead`` sets them aside)
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
-OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "head2", "head3", "cap256",
-           "dynamo"}
+OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "perop", "head2", "head3",
+           "cap256", "dynamo"}
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -278,7 +279,7 @@ def main() -> None:
     head.shipped_window = head.window
     HEADS.append(head)
     lm_head = pair.target.get_output_embeddings()
-    python_wrapper = float_cache = small_first = through_dynamo = None
+    python_wrapper = float_cache = per_op = small_first = through_dynamo = None
     for variant in variants:
         parts = variant.split("+")
         if not OWN_JOB & set(parts):
@@ -299,6 +300,11 @@ def main() -> None:
                 float_cache = TargetStep(pair.target, compile=step.compile)
                 float_cache.cache_dtype = torch.float32
             variant_step = float_cache
+        if "perop" in parts:  # a step of its own whose eager layers run op by op, as before whole_layers
+            if per_op is None:
+                per_op = TargetStep(pair.target, compile=step.compile)
+                per_op.forward.whole = None
+            variant_step = per_op
         if "cap256" in parts:  # a step of its own (its own graphs) whose caches start at 256 positions
             if small_first is None:
                 small_first = FirstCapacity256(pair.target, compile=step.compile)

@@ -46,11 +46,13 @@ void keep_columns(char* row, int64_t heads, int64_t head_stride, int64_t positio
 // next ``inner``), rows ``stride`` floats apart (a fused gate|up product's output).
 void silu_mul(const float* gate_up, int64_t rows, int64_t inner, int64_t stride, float* out);
 
-// A Llama-family decoder layer of a 4-bit target, whole: its norms' float32 weights, its projections packed for
-// product_q4 (q|k|v fused, and gate|up), and its shape.
+// A Llama-family decoder layer whole: its norms' float32 weights (no input norm where input_norm is null: an EAGLE
+// head's), its projections packed for product_q4, or product_q8 where ``eight`` (q|k|v fused, and gate|up), and
+// its shape.
 struct Layer {
   const float *input_norm, *post_norm;
   float input_eps, post_eps;
+  bool eight;
   const uint8_t *qkv, *o, *gate_up, *down;
   int64_t qkv_groups, o_groups, gate_up_groups, down_groups;
   int64_t hidden, inner, heads, kv_heads, dim;

@@ -6,8 +6,9 @@ It holds two kernels, each with one job:
 - ``int4_kernel.cpp``: products of activations with llama.cpp's 4-bit and 8-bit weight blocks (``core.int4``), and
   the few highest of a draft's logits over 4-bit rows worked out again from float rows (``core.vocab.RoundedRows``);
 - ``layer_kernel.cpp``: attention over a static cache one query at a time (``core.attention``), and an eager float32
-  step's RMSNorm, and its rotary embedding with the cache writes, one call each (``core.step``); and a tree's kept
-  path moved down in every layer's cache, one call a step (``core.kvcache``).
+  step's RMSNorm, its rotary embedding with the cache writes, and silu(gate) * up, one call each, or a 4-bit
+  target's whole decoder layer in one call (``core.step``); and a tree's kept path moved down in every layer's
+  cache, one call a step (``core.kvcache``).
 
 ``ops.cpp`` makes them torch ops (checks, outputs, registration) over the plain arrays that ``kernels.h`` declares,
 through torch's stable ABI (torch 2.10 or later), whose headers parse in a third of the time ATen's took.

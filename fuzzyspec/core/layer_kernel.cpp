@@ -1,5 +1,6 @@
 // A decoder layer's steps besides its products, for float32 steps on the CPU: attention over a static cache (one
-// query at a time), and for eager steps its RMSNorm and its rotary embedding with the cache writes, one call each.
+// query at a time), and for eager steps its RMSNorm, its rotary embedding with the cache writes and silu(gate) * up,
+// one call each; and for a 4-bit target's eager steps the whole layer in one call, products included (at the end).
 //
 // ATTENTION, by the same operations whatever else is in the pass (attention.py says why). For query t of row b and
 // head h (kv head h / (H / KVH)):
@@ -532,8 +533,9 @@ void decoder_layer(const float* h, const Layer& w, const float* cos, const float
                                                       w.inner)));
   float *qkv = normed + M * H, *q = qkv + M * qkv_n, *attended = q + M * QD, *projected = attended + M * QD,
         *gate_up = projected + M * std::max(o_n, down_n), *act = gate_up + M * gate_up_n;
-  rms_norm(h, w.input_norm, M, H, w.input_eps, normed);
-  product_q4(normed, M, H, w.qkv, w.qkv_groups, qkv);
+  const auto product = w.eight ? product_q8 : product_q4;
+  if (w.input_norm != nullptr) rms_norm(h, w.input_norm, M, H, w.input_eps, normed);
+  product(w.input_norm != nullptr ? normed : h, M, H, w.qkv, w.qkv_groups, qkv);
   const int64_t steps[3] = {qkv_n, qkv_n, qkv_n};
   rope_store(qkv, qkv + QD, qkv + QD + KD, steps, cos, sin, cache, slots, positions, rows, width, w.heads,
              w.kv_heads, w.dim, q);
@@ -546,13 +548,13 @@ void decoder_layer(const float* h, const Layer& w, const float* cos, const float
            static_cast<const char*>(cache.values) + offset, cache.half, mask + b * width * capacity, w.scale,
            in_order ? rows : 1, width, w.heads, w.dim, w.kv_heads, capacity, attended + b * width * QD);
   }
-  product_q4(attended, M, QD, w.o, w.o_groups, projected);
+  product(attended, M, QD, w.o, w.o_groups, projected);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < H; ++j) out[m * H + j] = h[m * H + j] + projected[m * o_n + j];
   rms_norm(out, w.post_norm, M, H, w.post_eps, normed);
-  product_q4(normed, M, H, w.gate_up, w.gate_up_groups, gate_up);
+  product(normed, M, H, w.gate_up, w.gate_up_groups, gate_up);
   silu_mul(gate_up, M, w.inner, gate_up_n, act);
-  product_q4(act, M, w.inner, w.down, w.down_groups, projected);
+  product(act, M, w.inner, w.down, w.down_groups, projected);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < H; ++j) out[m * H + j] += projected[m * down_n + j];
 }

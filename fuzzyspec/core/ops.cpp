@@ -211,18 +211,21 @@ Tensor silu_mul(Tensor gate_up) {
   return out;
 }
 
-// A packed 4-bit weight for product_q4 with ``inputs`` inputs and at least ``outputs`` outputs: its groups.
-int64_t groups_of(const Tensor& packed, int64_t inputs, int64_t outputs, const char* name) {
-  check(packed.dim() == 3 && packed.size(1) * 32 == inputs && packed.size(2) == fuzzyspec::Q4_BYTES &&
+// A packed weight for product_q4 (``eight``: product_q8) with ``inputs`` inputs and at least ``outputs`` outputs:
+// its groups.
+int64_t groups_of(const Tensor& packed, bool eight, int64_t inputs, int64_t outputs, const char* name) {
+  const int64_t bytes = eight ? fuzzyspec::Q8_BYTES : fuzzyspec::Q4_BYTES;
+  check(packed.dim() == 3 && packed.size(1) * 32 == inputs && packed.size(2) == bytes &&
             packed.size(0) * fuzzyspec::ROWS >= outputs && packed.is_contiguous() &&
             packed.scalar_type() == ScalarType::Byte,
-        "decoder_layer: ", name, " packed as [groups, ", inputs / 32, ", ", fuzzyspec::Q4_BYTES, "] bytes for ",
-        inputs, " inputs and ", outputs, " outputs");
+        "decoder_layer: ", name, " packed as [groups, ", inputs / 32, ", ", bytes, "] bytes for ", inputs,
+        " inputs and ", outputs, " outputs");
   return packed.size(0);
 }
 
-// A 4-bit target's decoder layer, whole (layer_kernel.cpp): h [B, T, hidden] -> [B, T, hidden]; the cache as
-// rope_store takes it (contiguous here), mask [B, 1, T, capacity] as attend does.
+// A decoder layer of 4-bit or 8-bit projections, whole (layer_kernel.cpp): h [B, T, hidden] -> [B, T, hidden]; the
+// cache as rope_store takes it (contiguous here), mask [B, 1, T, capacity] as attend does. The projections' format is
+// the q|k|v weight's (all four alike); an empty input_norm: none (an EAGLE head's layer).
 Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, Tensor o, Tensor post_norm,
                      double post_eps, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor keys, Tensor values,
                      Tensor where, Tensor write, Tensor mask, int64_t heads, int64_t kv_heads, double scale) {
@@ -233,16 +236,20 @@ Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, 
         "decoder_layer: contiguous float32 or float16 keys and values [slots, kv_heads, capacity, D]");
   const int64_t rows = h.size(0), width = h.size(1), hidden = h.size(2), dim = keys.size(3), capacity = keys.size(2);
   const int64_t inner = down.dim() == 3 ? down.size(1) * 32 : 0;
+  const bool normed = input_norm.numel() > 0;
   for (const Tensor* norm : {&input_norm, &post_norm})
-    check(norm->scalar_type() == ScalarType::Float && norm->numel() == hidden && norm->is_contiguous(),
+    check(norm->scalar_type() == ScalarType::Float && norm->is_contiguous() &&
+              (norm->numel() == hidden || (norm == &input_norm && !normed)),
           "decoder_layer: float32 norm weights, one per feature");
   check(kv_heads > 0 && heads % kv_heads == 0, "decoder_layer: heads in whole groups per kv head");
-  const int64_t qkv_groups = groups_of(qkv, hidden, (heads + 2 * kv_heads) * dim, "q|k|v"),
-                o_groups = groups_of(o, heads * dim, hidden, "o"),
-                gate_up_groups = groups_of(gate_up, hidden, 2 * inner, "gate|up"),
-                down_groups = groups_of(down, inner, hidden, "down");
-  const fuzzyspec::Layer layer{input_norm.const_data_ptr<float>(), post_norm.const_data_ptr<float>(),
-                               static_cast<float>(input_eps), static_cast<float>(post_eps),
+  const bool eight = qkv.dim() == 3 && qkv.size(2) == fuzzyspec::Q8_BYTES;
+  const int64_t qkv_groups = groups_of(qkv, eight, hidden, (heads + 2 * kv_heads) * dim, "q|k|v"),
+                o_groups = groups_of(o, eight, heads * dim, hidden, "o"),
+                gate_up_groups = groups_of(gate_up, eight, hidden, 2 * inner, "gate|up"),
+                down_groups = groups_of(down, eight, inner, hidden, "down");
+  const fuzzyspec::Layer layer{normed ? input_norm.const_data_ptr<float>() : nullptr,
+                               post_norm.const_data_ptr<float>(), static_cast<float>(input_eps),
+                               static_cast<float>(post_eps), eight,
                                qkv.const_data_ptr<uint8_t>(), o.const_data_ptr<uint8_t>(),
                                gate_up.const_data_ptr<uint8_t>(), down.const_data_ptr<uint8_t>(),
                                qkv_groups, o_groups, gate_up_groups, down_groups,

@@ -36,7 +36,8 @@ from . import kernels
 from .attention import attend, runs as attention_runs
 from .cost import Profile
 from .graphs import Graphs
-from .int4 import Int4Linear, holds_blocks, projection_groups
+from .int4 import Int4Linear, Int8Linear, holds_blocks, projection_groups
+from .kernels import ROWS
 from .kept import Kept, NotKept, fingerprint, marked_like, structure
 from .kvcache import StaticCache, attention_mask, cache_keyword, chain_tree, write_positions
 from .llama import normed, rotate
@@ -101,12 +102,17 @@ def _fused(x: Tensor) -> bool:
 
 def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
                   where: Tensor, write: Tensor, mask: Tensor, slots: Tensor | None, heads: Heads,
-                  qkv: nn.Module | None = None, gate_up: nn.Module | None = None) -> Tensor:
+                  qkv: nn.Module | None = None, gate_up: nn.Module | None = None, whole: tuple | None = None
+                  ) -> Tensor:
     """One Llama-family decoder ``layer`` (its own modules) over the residual stream ``h`` [B, k, H]: its keys
     and values go into ``keys``, ``values`` [slots, kv_heads, capacity, D] at rows ``where`` [B, 1] and positions
     ``write`` [B, k]; attention reads the cache rows (``slots`` where given, else the first B) where ``mask``
     [B, 1, k, capacity] allows; ``cos``, ``sin`` [B, k, 1, D]. ``qkv``, ``gate_up``: fused projections, if any.
-    Returns the new ``h``. The target's step and an EAGLE head's step both run their layers through it."""
+    ``whole``: the layer's ``whole_layer``, which an eager float32 step runs in one call. Returns the new ``h``.
+    The target's step and an EAGLE head's step both run their layers through it."""
+    if whole is not None and _fused(h) and keys.dtype in (torch.float32, torch.float16):
+        return torch.ops.fuzzyspec_layer.decoder_layer(h, *whole, cos, sin, keys, values, where, write, mask,
+                                                       heads.count, heads.kv, heads.dim ** -0.5)
     rows, width = h.shape[:2]
     attention = layer.self_attn
     x = rms_norm(layer.input_layernorm, h)
@@ -136,7 +142,7 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
     h = h + attention.o_proj(out.reshape(rows, width, heads.count * heads.dim))
     mlp = layer.mlp
     x = rms_norm(layer.post_attention_layernorm, h)
-    if gate_up is not None and _fused(h):  # (one call, and the whole layer's op computes it so: ``whole_layers``)
+    if gate_up is not None and _fused(h):  # (one call, and the whole layer's op computes it so)
         return h + mlp.down_proj(torch.ops.fuzzyspec_layer.silu_mul(gate_up(x)))
     if gate_up is not None:
         gate, up = gate_up(x).chunk(2, -1)
@@ -145,25 +151,52 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
     return h + mlp.down_proj(F.silu(gate) * up)
 
 
-def whole_layers(layers, qkv: list, gate_up: list, heads: Heads) -> list[tuple] | None:
-    """What ``fuzzyspec_layer.decoder_layer`` takes of each of a 4-bit target's Llama-family ``layers`` (its norms'
-    weights and epsilons, its packed projections), to run each layer in one call in an eager float32 step: about 20
-    ops a layer through Python cost an eager step of the embedded model about a third of its time. The call runs
-    ``decoder_layer``'s fused path's kernels in its order, so it gives the same numbers (tested). None unless every
-    layer has fused 4-bit projections (``int4.fuse``), RMSNorms with float32 weights and our attention."""
-    if not heads.invariant:
+def whole_layer(layer: nn.Module, heads: Heads, qkv: nn.Module | None = None,
+                gate_up: nn.Module | None = None) -> tuple | None:
+    """What ``fuzzyspec_layer.decoder_layer`` takes of a Llama-family decoder ``layer`` (its norms' weights and
+    epsilons, its packed projections), to run it in one call in an eager float32 step: about 20 ops a layer through
+    Python cost an eager 4-bit step of the embedded model about a third of its time. The call runs the kernels of
+    ``decoder_layer``'s fused path in its order, so it gives the same numbers (tested). None unless its projections
+    are all 4-bit or all 8-bit layers of our kernels without biases (``qkv``, ``gate_up``: fused ones; separate
+    ones are packed side by side here), its norms RMSNorms with float32 weights (or no input norm, an EAGLE
+    head's), and its attention ours."""
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = (_packed_together([qkv] if qkv is not None else
+                                    [attention.q_proj, attention.k_proj, attention.v_proj]),
+                   _packed_together([attention.o_proj]),
+                   _packed_together([gate_up] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]),
+                   _packed_together([mlp.down_proj]))
+    norms = [_norm_of(layer.input_layernorm, absent=True), _norm_of(layer.post_attention_layernorm)]
+    if (not heads.invariant or any(p is None for p in projections) or any(n is None for n in norms)
+            or len({p.shape[2] for p in projections}) > 1):
         return None
-    found = []
-    for layer, fused_qkv, fused_gate_up in zip(layers, qkv, gate_up):
-        attention, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not (all(isinstance(m, Int4Linear) for m in (fused_qkv, attention.o_proj, fused_gate_up, mlp.down_proj))
-                and all(getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32
-                        and hasattr(n, "variance_epsilon") for n in norms)):
-            return None
-        found.append((norms[0].weight, norms[0].variance_epsilon, fused_qkv.packed, attention.o_proj.packed,
-                      norms[1].weight, norms[1].variance_epsilon, fused_gate_up.packed, mlp.down_proj.packed))
-    return found
+    qkv_packed, o_packed, gate_up_packed, down_packed = projections
+    return (*norms[0], qkv_packed, o_packed, *norms[1], gate_up_packed, down_packed)
+
+
+def _packed_together(linears: list) -> Tensor | None:
+    """The packed bytes of these layers' outputs side by side (one layer's own), or None unless they are all
+    ``Int4Linear`` or all ``Int8Linear``, without biases, several only in whole groups of rows."""
+    kinds = {type(linear) for linear in linears}
+    if len(kinds) != 1 or not kinds <= {Int4Linear, Int8Linear} \
+            or any(getattr(linear, "bias", None) is not None for linear in linears):
+        return None
+    if len(linears) == 1:
+        return linears[0].packed
+    if any(linear.out_features % ROWS for linear in linears):
+        return None
+    return torch.cat([linear.packed for linear in linears])
+
+
+def _norm_of(norm: nn.Module, absent: bool = False) -> tuple[Tensor, float] | None:
+    """An RMSNorm's float32 weight and epsilon; where ``absent`` is allowed, an ``nn.Identity`` (no norm) as an
+    empty weight; else None."""
+    if absent and isinstance(norm, nn.Identity):
+        return torch.empty(0), 0.0
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.dtype != torch.float32 or not hasattr(norm, "variance_epsilon"):
+        return None
+    return weight, norm.variance_epsilon
 
 
 class LlamaForward(nn.Module):
@@ -181,7 +214,10 @@ class LlamaForward(nn.Module):
         # fused projections where the loader made them (``int4.fuse``): one product for q, k and v, one for gate/up
         self.qkv = [getattr(layer.self_attn, "qkv_proj", None) for layer in self.decoder.layers]
         self.gate_up = [getattr(layer.mlp, "gate_up_proj", None) for layer in self.decoder.layers]
-        self.whole = whole_layers(self.decoder.layers, self.qkv, self.gate_up, self.heads)
+        # each layer in one call in eager float32 steps, where its weights allow (a 4-bit target's)
+        wholes = [whole_layer(layer, self.heads, qkv, gate_up)
+                  for layer, qkv, gate_up in zip(self.decoder.layers, self.qkv, self.gate_up)]
+        self.whole = wholes if all(w is not None for w in wholes) else None
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -198,18 +234,11 @@ class LlamaForward(nn.Module):
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, k, heads, D]
         where = (slots if slots is not None else torch.arange(rows, device=tokens.device))[:, None]
         found: Features = {}
-        whole = self.whole is not None and _fused(h) and cache.keys[0].dtype in (torch.float32, torch.float16)
-        heads = self.heads
         for i, layer in enumerate(self.decoder.layers):
             if i in features:
                 found[i] = h
-            if whole:
-                h = torch.ops.fuzzyspec_layer.decoder_layer(h, *self.whole[i], cos, sin, cache.keys[i], cache.values[i],
-                                                            where, write, mask, heads.count, heads.kv,
-                                                            heads.dim ** -0.5)
-            else:
-                h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots, heads,
-                                  self.qkv[i], self.gate_up[i])
+            h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
+                              self.heads, self.qkv[i], self.gate_up[i], self.whole and self.whole[i])
         h = rms_norm(self.decoder.norm, h)
         if self.layer_count in features:
             found[self.layer_count] = h

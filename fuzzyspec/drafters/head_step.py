@@ -32,7 +32,7 @@ from ..core.graphs import Graphs
 from ..core.host import upload
 from ..core.kvcache import DraftCache, HeadCache
 from ..core.kept import Kept, NotKept, fingerprint, marked_like, structure
-from ..core.step import CPU_INDUCTOR, KEEPS, Compiled, Heads, decoder_layer, llama_layers, packed
+from ..core.step import CPU_INDUCTOR, KEEPS, Compiled, Heads, decoder_layer, llama_layers, packed, whole_layer
 from .eagle_head import EagleHead
 
 WIDTHS = (1, 2, 4, 8)  # compiled widths of a head call: a chain step (1), the accepted tokens, a tree level
@@ -79,6 +79,8 @@ class HeadStep:
                           "the EAGLE head's step", CPU_INDUCTOR, _any_capacity) \
             if weight.device.type == "cpu" and KEEPS else None
         self._layer = _Layer(self)  # (what a kept graph reads)
+        # its layer in one call in eager float32 steps, where its weights allow (a 4-bit target's drafter's 8 bits)
+        self._whole = whole_layer(head.layers[0], self.heads)
         self._free: list[HeadCache] = []  # caches whose drafters are gone (``borrow_cache``)
         # On a GPU, EAGLE-2 trees' whole growth, captured per shape and cache, from a shape's third growth on
         # (``EagleDrafter._tree``)
@@ -110,7 +112,7 @@ class HeadStep:
         cos, sin = head.rotary_emb(h, positions)
         where = torch.zeros(1, 1, dtype=torch.long, device=tokens.device)
         return decoder_layer(head.layers[0], h, cos[:, :, None], sin[:, :, None], keys, values, where, write, mask,
-                             None, self.heads)
+                             None, self.heads, whole=self._whole)
 
     @torch.inference_mode()
     def __call__(self, cache: HeadCache, tokens: Tensor, features: Tensor, positions: Tensor | None = None,
@@ -222,6 +224,7 @@ class _Layer:
 
     def __init__(self, step: HeadStep) -> None:
         self.head, self.embed, self.heads, self.dtype = step.head, step.embed, step.heads, step.dtype
+        self._whole = None  # (a compiled graph leaves the layer's steps to inductor: ``decoder_layer``)
 
 
 def _head_call(layer: _Layer, keys: Tensor, values: Tensor, tokens: Tensor, features: Tensor, positions: Tensor,

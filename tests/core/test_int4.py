@@ -7,6 +7,7 @@ from fuzzyspec.core import int4, kernels
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
 from fuzzyspec.core.int4 import GROUP, Int4Linear, Int8Linear
+from fuzzyspec.core.kvcache import StaticCache
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
 
@@ -118,7 +119,7 @@ def test_a_4bit_layer_in_one_call_gives_what_its_separate_ops_give(cache_dtype):
     kernels in the same order as the layer's separate ops, so the same logits, hidden states and cache, bit for bit,
     for rows of different lengths, a tree, and a row joining into a slot of its own; a position past the cache's
     end is refused with one line before anything is written."""
-    from fuzzyspec.core.kvcache import StaticCache, attention_mask, chain_tree, write_positions
+    from fuzzyspec.core.kvcache import attention_mask, chain_tree, write_positions
 
     model = int4_model(seed=3, fused=True, hidden=64)
     whole, separate = TargetStep(model), TargetStep(model)
@@ -155,6 +156,33 @@ def test_a_4bit_layer_in_one_call_gives_what_its_separate_ops_give(cache_dtype):
     assert all(map(torch.equal, keys, before)) and layer.self_attn.qkv_proj.packed.shape[0] > 0
 
 
+def test_an_8bit_layer_without_an_input_norm_in_one_call_gives_what_its_separate_ops_give():
+    """The same call serves an EAGLE head's layer as a 4-bit target's drafter holds it: 8-bit projections, q, k
+    and v (gate and up) separate, packed side by side for the call, and no input norm. Its separate ops take PyTorch's
+    silu, so the two agree to float32's rounding rather than bit for bit."""
+    model = tiny_llama(seed=5, hidden=64)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, Int8Linear.rounded(child))
+    model.model.layers[0].input_layernorm = torch.nn.Identity()
+    whole, separate = TargetStep(model), TargetStep(model)
+    separate.forward.whole = None
+    assert whole.forward.whole is not None and whole.forward.whole[0][0].numel() == 0
+    results = []
+    for step in (whole, separate):
+        cache = StaticCache.for_model(model.config, 2, 32, torch.float32, "cpu")
+        with torch.inference_mode():
+            cache.lengths = [0, 0]
+            first, _ = run_step(step, cache, [[3, 9, 4, 4, 8], [7, 1, 2, 5, 6]])
+            cache.lengths = [5, 5]
+            second, _ = run_step(step, cache, [[6, 11], [2, 2]])
+        results.append((first, second, *cache.keys, *cache.values))
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_a_4bit_target_caches_its_keys_and_values_in_float16_a_float_one_in_its_own_dtype(target):
     """Half the bytes a step reads at each cached position, as llama.cpp keeps them by default; only where our
     own forward and attention read the cache (transformers' forward keeps the weights' dtype)."""
@@ -170,8 +198,6 @@ def test_a_verification_scores_each_node_exactly_as_a_one_token_step(compile):
     tree of drafts gives each node, bit for bit, the logits AR's one-token steps give the same tokens: so greedy
     sd cannot leave the int4 target's text at a near-tie (PyTorch's attention moved a 6-token chain's logits by
     up to 0.75 on the embedded model)."""
-    from fuzzyspec.core.kvcache import StaticCache
-
     model = int4_model(seed=2, fused=True, hidden=256)  # heads of 64 after 70 tokens: here SDPA fails this test
     model.lm_head = Int4Linear.rounded(model.lm_head.weight.data)
     step = TargetStep(model, compile=compile)
