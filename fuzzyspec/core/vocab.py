@@ -163,7 +163,7 @@ class RoundedRows(nn.Module):
         ids = vocab.target_ids.to(exact.device)
         if int(ids[-1]) >= exact.shape[0]:  # (the kernel reads rows by these ids unchecked)
             raise ValueError(f"a draft vocabulary up to token {int(ids[-1])} for an LM head of {exact.shape[0]} rows")
-        self.rows = Int4Linear.rounded(exact.index_select(0, ids))
+        self.rows = Int4Linear.rounded(exact, ids)
         self.exact = exact.contiguous()  # (a plain tensor: not this module's to save or move)
         self.register_buffer("target_ids", ids, persistent=False)
         self.out_features, self.in_features = self.rows.out_features, self.rows.in_features

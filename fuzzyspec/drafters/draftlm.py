@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
@@ -74,15 +75,29 @@ def config_like(raw: dict, target_config: PretrainedConfig) -> PretrainedConfig:
     return AutoConfig.for_model(raw["model_type"], **fields)
 
 
-def no_random_start() -> contextlib.AbstractContextManager:
-    """transformers' ``no_init_weights`` (a model's layers made without their random start, for a loader to fill)
-    where transformers' model code is imported already; else nothing: importing it costs seconds (``core.llama``),
-    and the random start of a head's few layers milliseconds."""
-    if "transformers.modeling_utils" not in sys.modules:
-        return contextlib.nullcontext()
-    from transformers.initialization import no_init_weights
+# torch's initialisers, which new layers call for their random start (nn.Linear, nn.Embedding and the like)
+INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                "xavier_normal_", "orthogonal_", "constant_", "zeros_", "ones_")
 
-    return no_init_weights()
+
+@contextlib.contextmanager
+def no_random_start() -> Iterator[None]:
+    """Layers made meanwhile skip their random start (torch's initialisers leave a tensor as it is), for a loader
+    that fills every weight: an EAGLE head's 8 layers took 41 ms to start randomly on a 2-core EPYC, the drafter's
+    largest load cost after its LM head rows. As transformers' ``no_init_weights`` does for its own layers, without
+    importing its model code (seconds, ``core.llama``). Process-wide while it lasts: only loaders use it."""
+    saved = {name: getattr(torch.nn.init, name) for name in INITIALISERS}
+    for name in saved:
+        setattr(torch.nn.init, name, _as_it_is)
+    try:
+        yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(torch.nn.init, name, initialiser)
+
+
+def _as_it_is(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return tensor
 
 
 def make_draft_lm(target: PreTrainedModel, num_layers: int, init_layers: list[int] | None = None,

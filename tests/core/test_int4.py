@@ -250,6 +250,19 @@ def test_a_float_weight_rounded_to_q4_1_moves_by_half_a_step_at_most():
     assert layer.codes().min() == 0 and layer.codes().max() == 15  # each block spans the grid
 
 
+def test_rounding_a_part_at_a_time_gives_the_bytes_of_one_pass(monkeypatch):
+    """``Int4Linear.rounded`` rounds ``int4.ROUNDING_ROWS`` rows at a time (a drafter's LM head rows at every
+    load), whole or the rows given by index, the last part short: the same bytes as rounding all at once."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(2 * int4.ROUNDING_ROWS + 40, 64, generator=generator)
+    rows = torch.randperm(weight.shape[0], generator=generator)[: int4.ROUNDING_ROWS + 37].sort().values
+    in_parts, rows_in_parts = Int4Linear.rounded(weight), Int4Linear.rounded(weight, rows)
+    monkeypatch.setattr(int4, "ROUNDING_ROWS", 10 ** 6)
+    assert torch.equal(in_parts.packed, Int4Linear.rounded(weight).packed)
+    assert torch.equal(rows_in_parts.packed, Int4Linear.rounded(weight[rows]).packed)
+    assert (rows_in_parts.out_features, rows_in_parts.in_features) == (len(rows), 64)
+
+
 def test_a_reduced_draft_vocabulary_of_an_8_bit_head_reads_4_bit_rows_and_its_top_logits_exactly():
     """An EAGLE head with a draft vocabulary reads those rows of the target's LM head after every target pass;
     of a GGUF target's 8-bit head, they are kept in 4 bits, and each output's few highest logits are worked out
