@@ -25,7 +25,7 @@ capacity, as before its direct calls, 2026-11-27), ``indexkeep`` (a tree's kept 
 target's cache by two indexing operations a layer's tensor, as before ``layer_kernel.cpp``'s ``keep_columns``,
 2026-11-27), ``f32cache`` (the target's keys and values cached in float32, as before a 4-bit target's float16 cache,
 2026-11-27), ``perop`` (a 4-bit target's eager layers op by op, as before their one call each,
-``step.whole_layers``, 2026-11-29), ``head2``,
+``step.whole_layer``, 2026-11-29), ``head2``,
 ``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
 job of its own: two heads compared alike);
 ``held`` (every row held back from drafting by the plan; copies still proposed),
@@ -300,7 +300,7 @@ def main() -> None:
                 float_cache = TargetStep(pair.target, compile=step.compile)
                 float_cache.cache_dtype = torch.float32
             variant_step = float_cache
-        if "perop" in parts:  # a step of its own whose eager layers run op by op, as before whole_layers
+        if "perop" in parts:  # a step of its own whose eager layers run op by op, as before whole_layer
             if per_op is None:
                 per_op = TargetStep(pair.target, compile=step.compile)
                 per_op.forward.whole = None

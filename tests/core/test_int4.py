@@ -115,7 +115,7 @@ def test_an_int4_target_decodes_losslessly_through_our_step(draft, compile, fuse
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 def test_a_4bit_layer_in_one_call_gives_what_its_separate_ops_give(cache_dtype):
-    """An eager float32 step of a 4-bit target runs each decoder layer in one call (``step.whole_layers``): the same
+    """An eager float32 step of a 4-bit target runs each decoder layer in one call (``step.whole_layer``): the same
     kernels in the same order as the layer's separate ops, so the same logits, hidden states and cache, bit for bit,
     for rows of different lengths, a tree, and a row joining into a slot of its own; a position past the cache's
     end is refused with one line before anything is written."""
