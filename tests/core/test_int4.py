@@ -48,7 +48,7 @@ def test_a_tokens_result_does_not_depend_on_its_batch(out_features):
                                   torch.randn(out_features, 3, generator=generator) * 0.1)
     head = Int8Linear.from_codes(torch.randint(-128, 128, (out_features, 96), generator=generator),
                                  torch.rand(out_features, 3, generator=generator) * 0.01)
-    x = torch.randn(11, 96, generator=generator)
+    x = torch.randn(19, 96, generator=generator)
     for module in (layer, head):
         alone = torch.cat([module(x[i: i + 1]) for i in range(len(x))])
         for count in range(1, len(x) + 1):
