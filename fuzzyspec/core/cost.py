@@ -27,8 +27,9 @@ cost D is all that a step which drafts spends beyond its forward and beyond S: t
 masks and bookkeeping a draft brings (the engine times whole steps: pricing the proposal alone left a 1-token
 chain about 30% cheaper than it was, on a 4-bit target).
 ``tuning`` keeps the profile per target, weights, dtype, device, thread count and compilation. A width never
-measured is assumed to cost what the nearest measured narrower width costs (optimism: it gets tried, and after
-a few measurements their minimum decides), a draft size below every measured one its share of the smallest
+measured is assumed to cost what the nearest measured narrower width costs, or, wider than every one measured, what
+the line toward a wider prompt pass of this process gives (``Profile.observe_prompt``): optimism either way, so it
+gets tried, and after a few measurements their minimum decides. A draft size below every measured one its share of the smallest
 measured (drafting nothing costs nothing), and acceptances start from a prior worth about ten of a row's
 own steps: the acceptance the drafter's earlier rows met under the same rule (``Profile.population``, kept with
 the profile), or ``PRIOR_ACCEPTANCE`` before any; a row's counts fade slowly every step, so one that stopped
@@ -129,6 +130,7 @@ class Profile:
     pace: float = 1.0  # how slow the machine runs now, against the costs held (see above)
     longer: dict[int, dict[int, float]] = field(default_factory=dict)  # band -> width -> ms, one row, past SHORT
     plans: int = 0  # plans made with it in this process (``engine.REFRESH``)
+    prompts: dict[int, float] = field(default_factory=dict)  # one row's prompt passes by width (``observe_prompt``)
 
     def target_ms(self, width: int, rows: int = 1, context: int = 0) -> float:
         """A forward of ``rows`` rows of ``width`` tokens; one row's after ``context`` positions. A row count not yet
@@ -140,7 +142,10 @@ class Profile:
         measured = self._settled(_batch_key(rows), self.batches.get(rows, {})) if rows > 1 else {}
         if not measured or width < min(measured):  # (a narrower width as well: see ``_one_row`` for why)
             measured, width = self._one_row(context), width * rows
-        return self.pace * min([_lookup(measured, width)] + [ms for wider, ms in measured.items() if wider > width])
+        guide = measured
+        if measured and width > max(measured):  # (see ``observe_prompt``)
+            guide = measured | {wider: ms for wider, ms in self.prompts.items() if wider > max(measured)}
+        return self.pace * min([_lookup(guide, width)] + [ms for wider, ms in measured.items() if wider > width])
 
     def _one_row(self, context: int) -> dict[int, float]:
         """The settled costs of one row's passes after ``context`` positions: its band's, and for widths narrower
@@ -203,6 +208,22 @@ class Profile:
         r = max(-PACE_CLAMP, min(PACE_CLAMP, math.log(ms / (self.pace * cost))))
         self.pace *= math.exp(PACE_SHARE * r)
         measured[width] = cost * math.exp((1 - PACE_SHARE) * r)
+
+    def observe_prompt(self, width: int, ms: float) -> None:
+        """File one row's prompt pass of ``width`` tokens (``width`` rows of the cache written, one row of logits)
+        that took ``ms``: a guide to widths wider than every settled one, which are priced on the line from the
+        widest settled width to the nearest wider prompt pass, where they were priced as that widest width.
+
+        Why: a first answer (no profile yet) priced every untried width at its 1-token pass's cost, so the planner
+        ran its widest trees first, three times each before their costs counted. On the 2-core AVX2 EPYC the README
+        main command's first answer (a process's first ``generate``, from an empty profile) took 1.032 s with this
+        guide against 1.148 s without (medians of 6 processes each, alternating; 1.043 and 1.188 s means). A
+        prompt pass computes one row of logits where a verification of as many tokens computes all of them, so the
+        line errs low, as a price for an untried size should (see the class): untried widths are still run and
+        measured, only no longer as though they cost a 1-token pass. Kept for this process only (in the pace's
+        units): a saved profile has settled widths of its own."""
+        if ms > 0:
+            self.prompts[width] = ms / self.pace
 
     def remeasure(self, key: str, size: int) -> None:
         """Measure ``key``'s ``size`` afresh (``key``: a drafter's, or ``target_key``'s for a pass): its next

@@ -193,6 +193,30 @@ def test_a_slow_first_measurement_does_not_price_a_size_out():
     assert 11.0 < profile.target_ms(2) < 20.0
 
 
+def test_a_prompt_pass_prices_the_widths_beyond_every_settled_one():
+    """With only a 1-token pass settled, a first answer priced every untried width at that pass's cost, and ran its
+    widest trees first. A prompt's pass draws the line they are priced on instead; settled widths keep their own."""
+    profile = Profile(target={1: 10.0, 2: 11.0}, outside={1: 1.0})
+    assert profile.target_ms(17) == 11.0  # as the widest settled width, with no prompt seen
+    profile.observe_prompt(42, 51.0)
+    assert profile.target_ms(22) == 31.0 and profile.target_ms(42) == 51.0 and profile.target_ms(60) == 51.0
+    assert profile.target_ms(1) == 10.0 and profile.target_ms(2) == 11.0  # settled: their own
+    profile.observe_prompt(2, 30.0)  # narrower than the widest settled width: no guide
+    assert profile.target_ms(2) == 11.0 and profile.target_ms(22) == 31.0
+    assert "prompts" not in json.dumps(profile.to_dict())  # this process's guide only
+    tree = Option("d", 6, tree=(16, 4))
+    assert plan([tree], [accepting(0.7)], Profile(target={1: 10.0, 2: 11.0}, outside={1: 1.0})) == [(6, 4)]
+    assert plan([tree], [accepting(0.7)], profile) == [(4, 1)]  # a 16-node tree's pass at 26 ms, not 11
+
+
+def test_the_engine_files_one_rows_prompt_pass_as_a_guide():
+    step = TargetStep(tiny_llama(seed=5))
+    config = DecodeConfig(method="sd", gamma=3, max_new_tokens=4, gamma_schedule="cost")
+    decode(step, ModelDrafter(tiny_llama(seed=6), V), torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), config, V)
+    assert list(step.profile.prompts) == [7] and step.profile.prompts[7] > 0  # every prompt token but the newest
+    assert 7 not in step.profile.target
+
+
 def test_a_cost_follows_the_median_of_its_measurements_not_their_spikes():
     """A shared machine's noise only adds time: one step in five taking 4x as long must not raise a width's cost
     (a running mean did, and unevenly: a width the planner stopped running kept its last spike)."""
