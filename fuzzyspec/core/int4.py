@@ -131,7 +131,8 @@ class Int4Linear(nn.Module):
         block of 32 inputs, minimum = the block's least weight and scale = its range / 15 (both float16),
         q = round((w - minimum) / scale). Done ``ROUNDING_ROWS`` rows at a time, which stay in the CPU's caches
         through the few passes it makes over them: a drafter's 16,384 LM head rows (rounded at every load) took
-        55 ms so on a 2-core EPYC, against 90-106 ms in whole passes over their 38 MB."""
+        55 ms so on a 2-core EPYC, against 90-106 ms in whole passes over their 38 MB, and 39 ms with each block's
+        least and greatest found by two reductions, not one (``aminmax`` over 32 values ran 4x slower)."""
         weight = weight.detach()
         count = weight.shape[0] if rows is None else rows.shape[0]
         packed = []
@@ -139,7 +140,7 @@ class Int4Linear(nn.Module):
             part = weight[start: start + ROUNDING_ROWS] if rows is None else \
                 weight.index_select(0, rows[start: start + ROUNDING_ROWS])
             blocks = part.float().reshape(part.shape[0], -1, GROUP)
-            low, high = torch.aminmax(blocks, dim=-1)
+            low, high = blocks.amin(-1), blocks.amax(-1)
             minimums = low.half()
             scales = ((high - minimums.float()) / 15).half()
             inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(scales, dtype=torch.float32))
