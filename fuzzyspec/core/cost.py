@@ -29,11 +29,11 @@ chain about 30% cheaper than it was, on a 4-bit target).
 ``tuning`` keeps the profile per target, weights, dtype, device, thread count and compilation. A width never
 measured is assumed to cost what the nearest measured narrower width costs, or, wider than every one measured, what
 the line toward a wider prompt pass of this process gives (``Profile.observe_prompt``): optimism either way, so it
-gets tried, and after a few measurements their minimum decides. A draft size below every measured one its share of the smallest
-measured (drafting nothing costs nothing), and acceptances start from a prior worth about ten of a row's
-own steps: the acceptance the drafter's earlier rows met under the same rule (``Profile.population``, kept with
-the profile), or ``PRIOR_ACCEPTANCE`` before any; a row's counts fade slowly every step, so one that stopped
-drafting comes back to the prior.
+gets tried, and after a few measurements their minimum decides. A draft size below every measured one is assumed to
+cost its share of the smallest measured (drafting nothing costs nothing), and acceptances start from a prior worth
+about ten of a row's own steps: the acceptance the drafter's earlier rows met under the same rule
+(``Profile.population``, kept with the profile), or ``PRIOR_ACCEPTANCE`` before any; a row's counts fade slowly every
+step, so one that stopped drafting comes back to the prior.
 
 A draft copied from the text (``drafters.lookup.CopyFirst``) is not planned: it is proposed wherever the text
 repeats itself. Only its length is chosen here (``copy_length``), by the same arithmetic with no drafting cost, from

@@ -191,13 +191,15 @@ void tile(const Operands& o, Eight, int64_t g, int64_t t) {
 
 #else
 
-// Tokens a tile takes at most. AVX2's 16 vector registers hold a token's sums and accumulator for only 6 tokens
-// beside the codes being read, so 8 spill two sums to the stack, yet they ran faster on the 2-core AMD EPYC (Zen 3):
-// against 4 a tile, 30 layers' 4-bit products took 0.94-0.96x the time at 6 tokens, 0.76-0.83x at 8, 0.92-0.94x at
-// 12 and 0.82-0.84x at 17, and the 8-bit head's 0.92-1.03x at 6-17 (one process, the builds taking turns in a
-// rotating order, best and median of 10-20); 1-4 tokens ran alike. 12 a tile gave part of it back; keeping the sums
-// in the output (no spills) or unrolling the four steps ran 1.1-1.5x slower. AVX-VNNI's two chains a token need
-// more registers still, and no such machine has measured a wider tile: it keeps 4.
+// Tokens a tile takes at most. With a pass per half of the group (as the tiles were before the one-pass tiles
+// below), 8 ran faster than 4 on the 2-core AMD EPYC (Zen 3), though AVX2's 16 vector registers held a token's sums
+// and accumulator for only 6 beside the codes being read: 30 layers' 4-bit products took 0.94-0.96x the time at 6
+// tokens, 0.76-0.83x at 8, 0.92-0.94x at 12 and 0.82-0.84x at 17, the 8-bit head's 0.92-1.03x at 6-17 (one process,
+// the builds taking turns in a rotating order, best and median of 10-20), 1-4 tokens alike; 12 gave part of it back,
+// and keeping the sums in the output (no spills) or unrolling the four steps ran 1.1-1.5x slower. A one-pass tile
+// holds four registers a token, so 8 spill more; tiles of at most 6 or 7 ran within 10% of 8 either way at 1-17
+// tokens, and 8 stayed. AVX-VNNI's two chains a token need more registers still, and no such machine has measured
+// a wider tile: it keeps 4.
 #if defined(__AVXVNNI__)
 constexpr int TILE = 4;
 #else
