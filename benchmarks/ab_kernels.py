@@ -46,7 +46,12 @@ def build(source: str, folder: Path, name: str) -> Path:
     command = ["g++", "-shared", "-fPIC", "-std=c++17", *kernels.build_flags(), str(folder / f"{name}.cpp"),
                "-o", str(library), *(f"-I{path}" for path in cpp_extension.include_paths()),
                f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
-    subprocess.run(command, check=True)
+    try:
+        built = subprocess.run(command, capture_output=True, text=True)
+    except FileNotFoundError:
+        sys.exit("ab_kernels: no C++ compiler (g++) here")
+    if built.returncode:
+        sys.exit(f"ab_kernels: building {name} failed: {(built.stderr.strip().splitlines() or ['no compiler?'])[-1]}")
     return library
 
 
@@ -69,8 +74,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     counts = [int(count) for count in args.tokens.split(",")]
     here = ROOT / "fuzzyspec" / "core"
-    before = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:fuzzyspec/core/int4_kernel.cpp"],
-                            capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:fuzzyspec/core/int4_kernel.cpp"],
+                           capture_output=True, text=True)
+    if shown.returncode:
+        sys.exit(f"ab_kernels: no int4_kernel.cpp at {args.before}: {shown.stderr.strip().splitlines()[-1]}")
+    before = shown.stdout
     folder = Path(tempfile.mkdtemp(prefix="fuzzyspec-ab-kernels-"))
     (folder / "kernels.h").write_text((here / "kernels.h").read_text())
     print(f"fuzzyspec ab_kernels: {machine()}; kernels built for {kernels.isa()}; {args.format} products; "
