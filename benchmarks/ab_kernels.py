@@ -1,8 +1,8 @@
 """The int4 kernel's products from this checkout against an earlier commit's, in one process.
 
 A shared machine's pace moves by half within minutes, so builds timed in separate processes, or always in the same
-order, differ by more than a kernel change does (a build always timed first measured 5-10% slower than the same
-code built twice). So both ``int4_kernel.cpp`` sources are built here as plain shared libraries (no torch ops: their
+order, differ by more than a kernel change does (in a fixed order, three builds that then measured alike in turns
+had each run 3-10% faster than the one timed first). So both ``int4_kernel.cpp`` sources are built here as plain shared libraries (no torch ops: their
 registrations would clash), with the flags the kernels get on this machine, loaded side by side through ctypes,
 checked to give the same bits, and timed in turns whose order rotates every round: a model's products at each token
 count, best and median over the rounds.
