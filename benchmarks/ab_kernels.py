@@ -2,10 +2,10 @@
 
 A shared machine's pace moves by half within minutes, so builds timed in separate processes, or always in the same
 order, differ by more than a kernel change does (in a fixed order, three builds that then measured alike in turns
-had each run 3-10% faster than the one timed first). So both ``int4_kernel.cpp`` sources are built here as plain shared libraries (no torch ops: their
-registrations would clash), with the flags the kernels get on this machine, loaded side by side through ctypes,
-checked to give the same bits, and timed in turns whose order rotates every round: a model's products at each token
-count, best and median over the rounds.
+had each run 3-10% faster than the one timed first). So both ``int4_kernel.cpp`` sources are built here as plain
+shared libraries (no torch ops: their registrations would clash), with the flags the kernels get on this machine,
+loaded side by side through ctypes, checked to give the same bits, and timed in turns whose order rotates every
+round: a model's products at each token count, best and median over the rounds.
 
 The model is the embedded target's shapes: 30 layers' distinct 4-bit weights (q|k|v 960 x 576, o 576 x 576,
 gate|up 3,072 x 576, down 576 x 1,536: 54 MB, more than the caches hold, so they stream from memory as in decoding),
