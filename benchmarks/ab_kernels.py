@@ -8,7 +8,7 @@ loaded side by side through ctypes, checked to give the same bits, and timed in 
 round: a model's products at each token count, best and median over the rounds.
 
 The model is the embedded target's shapes: 30 layers' distinct 4-bit weights (q|k|v 960 x 576, o 576 x 576,
-gate|up 3,072 x 576, down 576 x 1,536: 54 MB, more than the caches hold, so they stream from memory as in decoding),
+gate|up 3,072 x 576, down 576 x 1,536: 66 MB, more than the caches hold, so they stream from memory as in decoding),
 or with ``--format q8`` its 8-bit LM head (49,152 x 576), three copies. Random bytes: speed does not depend on them.
 
 Usage: python benchmarks/ab_kernels.py --before COMMIT [--format q4|q8] [--tokens 1,2,4,6,8,17] [--rounds 20]
