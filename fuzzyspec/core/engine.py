@@ -322,10 +322,11 @@ class Engine:
         # Rows 0 .. B - 1 (a first request's slot 0): the step reads those cache rows as views, where a list of slots
         # has each layer gather its rows' keys and values (copies of their whole capacity).
         rows = None if slots == list(range(len(slots))) else torch.tensor(slots, device=self.device)
-        mark = self.timer.start()
+        timed = len(prompts) == 1 and not self.step_fn.compile  # (an eager pass would misprice compiled ones)
+        mark = self.timer.start() if timed else None
         _, found = self.step_fn(self.cache, tokens, positions, positions, mask, rows, 1,
                                 self._feature_layers(readers))
-        if len(prompts) == 1 and not self.step_fn.compile:  # (an eager pass would misprice compiled ones)
+        if timed:
             self.timer.stop(mark, lambda ms: self.step_fn.profile.observe_prompt(width, ms))
         return found
 
