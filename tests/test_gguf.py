@@ -81,3 +81,41 @@ def test_the_embedded_target_holds_its_own_4bit_weights():
     assert isinstance(model.lm_head, int4.Int8Linear) and model.lm_head.weight is model.model.embed_tokens.weight
     codes = model.lm_head.codes().float() * model.lm_head.scales().float().repeat_interleave(int4.GROUP, 1)
     assert torch.equal(codes, reference["model.embed_tokens.weight"])
+
+
+@pytest.mark.embedded
+@needs_kernel
+def test_the_kept_target_and_head_bytes_are_what_loading_makes(tmp_path, monkeypatch):
+    """A 4-bit target made once and read back (``files.made_once``) is the model ``load_int4`` builds, to the bit,
+    with its tie and fused views; the shipped EAGLE head's bytes beside it, kept, are those made fresh."""
+    from fuzzyspec import files
+    from fuzzyspec.drafters.registry import load_drafter
+    from fuzzyspec.loading import _load_int4, embedded_gguf
+
+    monkeypatch.setattr(files, "cache_dir", lambda: tmp_path)
+    built = gguf.load_int4(embedded_gguf())
+    made, _ = _load_int4(None)
+    kept, tokenizer = _load_int4(None)
+    assert len(list((tmp_path / "made").glob("int4-*.pt"))) == 1
+    assert kept.gguf_file == embedded_gguf().resolve()
+    expected = built.state_dict()
+    for name, tensor in kept.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert kept.lm_head.weight is kept.model.embed_tokens.weight
+    attention = kept.model.layers[5].self_attn
+    assert attention.v_proj.packed.untyped_storage().data_ptr() == attention.qkv_proj.packed.untyped_storage().data_ptr()
+    tokens = torch.tensor([[1, 504, 3458, 28, 2]])
+    assert torch.equal(kept(tokens).logits, built(tokens).logits)
+
+    fresh = load_drafter("eagle", built, tokenizer)  # (no GGUF named on the target: made, not kept)
+    assert not list((tmp_path / "made").glob("head-*.pt"))
+    load_drafter("eagle", made, tokenizer)
+    head = load_drafter("eagle", kept, tokenizer)
+    assert len(list((tmp_path / "made").glob("head-*.pt"))) == 1
+    expected = fresh.module.state_dict()
+    assert head.module.state_dict().keys() == expected.keys()
+    for name, tensor in head.module.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    drafts = [source.new(built.config.vocab_size) for source in (fresh, head)]
+    features = torch.randn(1, 4, built.config.hidden_size)
+    assert torch.equal(*(drafter._head_logits(features) for drafter in drafts))

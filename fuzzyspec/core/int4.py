@@ -232,6 +232,17 @@ class Int8Linear(nn.Module):
         return cls(codes, scales, linear.weight.detach(), linear.bias)
 
     @classmethod
+    def packed_as(cls, packed: Tensor, linear: nn.Linear) -> "Int8Linear":
+        """The layer ``rounded(linear)`` makes, on its bytes made earlier (``packed``)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = linear.out_features, linear.in_features
+        layer.register_buffer("packed", packed)
+        layer.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        layer.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return layer
+
+    @classmethod
     def from_codes(cls, codes: Tensor, scales: Tensor, weight: Tensor | None = None) -> "Int8Linear":
         """``codes`` [N, K] in -128..127, ``scales`` [N, K/32]; ``weight``: the float W if the caller has it."""
         if weight is None:
@@ -266,11 +277,18 @@ def holds_blocks(model: nn.Module) -> bool:
     return any(isinstance(module, (Int4Linear, Int8Linear)) for module in model.modules())
 
 
-def round_linears(module: nn.Module) -> None:
-    """Replace every float ``nn.Linear`` in ``module`` whose inputs fill blocks of 32 by its Q8_0 rounding
-    (``Int8Linear.rounded``): a small drafter of a 4-bit target then reads a quarter of its float32 bytes,
-    through the same kernel (its layers' float products took most of a draft step beside a 4-bit target's)."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.in_features % GROUP == 0:
-                setattr(parent, name, Int8Linear.rounded(child))
+def roundable(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The float ``nn.Linear`` layers in ``module`` (by name) whose inputs fill blocks of 32: those ``round_linears``
+    rounds."""
+    return [(name, child) for name, child in module.named_modules()
+            if type(child) is nn.Linear and child.in_features % GROUP == 0]
+
+
+def round_linears(module: nn.Module, packed: dict[str, Tensor] | None = None) -> None:
+    """Replace every ``roundable`` layer in ``module`` by its Q8_0 rounding (``Int8Linear.rounded``): a small drafter
+    of a 4-bit target then reads a quarter of its float32 bytes, through the same kernel (its layers' float products
+    took most of a draft step beside a 4-bit target's). ``packed``: each layer's bytes by name, as made earlier
+    (kept on disk, ``files.made_once``)."""
+    for name, linear in roundable(module):
+        module.set_submodule(name, Int8Linear.rounded(linear) if packed is None else
+                             Int8Linear.packed_as(packed[name], linear))

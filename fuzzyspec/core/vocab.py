@@ -121,14 +121,14 @@ def most_frequent(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> 
     return DraftVocab(torch.tensor(sorted(chosen[:size])), vocab_size)
 
 
-def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab) -> nn.Module:
+def reduced_lm_head(lm_head: nn.Module, vocab: DraftVocab, rows: Tensor | None = None) -> nn.Module:
     """A frozen copy of ``lm_head``'s rows for the draft vocabulary's tokens: logits over N, not V. A float head
     gives float rows; an 8-bit head (a GGUF target's) gives 4-bit rows whose highest logits are worked out again
-    from its 8-bit ones (``RoundedRows``)."""
+    from its 8-bit ones (``RoundedRows``; ``rows``: those 4-bit rows as ``RoundedRows.rounded`` made them)."""
     from .int4 import Int8Linear
 
     if isinstance(lm_head, Int8Linear):
-        return RoundedRows(lm_head, vocab)
+        return RoundedRows(lm_head, vocab, rows)
     weight = lm_head.weight
     head = nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
     head.weight.data.copy_(weight.detach().index_select(0, vocab.target_ids.to(weight.device)))
@@ -155,18 +155,33 @@ class RoundedRows(nn.Module):
     1-token chain 1.125x compiled AR against 1.124x with the 4-bit rows alone: benchmarks/ab_draft_rows.py,
     results_planner_ab_epyc.txt O62)."""
 
-    def __init__(self, lm_head: nn.Module, vocab: DraftVocab) -> None:
+    def __init__(self, lm_head: nn.Module, vocab: DraftVocab, rows: Tensor | None = None) -> None:
+        """``rows``: the bytes ``rounded`` makes, made earlier (40-50 ms of a load on 2 cores: kept on disk)."""
         from .int4 import Int4Linear
 
         super().__init__()
         exact = lm_head.weight.detach().float()  # [V, H]: the 8-bit rows' values (a GGUF target's: float32 already)
-        ids = vocab.target_ids.to(exact.device)
-        if int(ids[-1]) >= exact.shape[0]:  # (the kernel reads rows by these ids unchecked)
-            raise ValueError(f"a draft vocabulary up to token {int(ids[-1])} for an LM head of {exact.shape[0]} rows")
-        self.rows = Int4Linear.rounded(exact, ids)
+        ids = self._ids(lm_head, vocab)
+        self.rows = Int4Linear.packed_as(self.rounded(lm_head, vocab) if rows is None else rows, len(ids),
+                                         exact.shape[1])
         self.exact = exact.contiguous()  # (a plain tensor: not this module's to save or move)
         self.register_buffer("target_ids", ids, persistent=False)
         self.out_features, self.in_features = self.rows.out_features, self.rows.in_features
+
+    @staticmethod
+    def rounded(lm_head: nn.Module, vocab: DraftVocab) -> Tensor:
+        """The kernel's bytes of the draft vocabulary's rows of ``lm_head``, rounded to Q4_1 (``Int4Linear.rounded``)."""
+        from .int4 import Int4Linear
+
+        return Int4Linear.rounded(lm_head.weight.detach(), RoundedRows._ids(lm_head, vocab)).packed
+
+    @staticmethod
+    def _ids(lm_head: nn.Module, vocab: DraftVocab) -> Tensor:
+        weight = lm_head.weight
+        if int(vocab.target_ids[-1]) >= weight.shape[0]:  # (the kernel reads rows by these ids unchecked)
+            raise ValueError(f"a draft vocabulary up to token {int(vocab.target_ids[-1])} for an LM head of "
+                             f"{weight.shape[0]} rows")
+        return vocab.target_ids.to(weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
         inputs = x.reshape(-1, x.shape[-1]).float().contiguous()

@@ -13,9 +13,10 @@ from torch import Tensor
 
 from ..core.draft import BaseDrafter, Budget, Draft, GrownShape
 from ..core.host import upload
+from ..core.int4 import Int8Linear
 from ..core.kvcache import common_prefix, crop_to
 from ..core.sampling import Sampling
-from ..core.vocab import reduced_lm_head
+from ..core.vocab import RoundedRows, reduced_lm_head
 from ..train.config import trained_length
 from .chain import draft_chain
 from .eagle3 import Eagle3Head, is_eagle3, load_eagle3
@@ -36,16 +37,26 @@ def load_any_head(folder: str | Path, target: PreTrainedModel) -> Head:
     return head
 
 
-def head_logits(head: Head, target: PreTrainedModel) -> Callable[[Tensor], Tensor]:
+def head_logits(head: Head, target: PreTrainedModel, rows: Tensor | None = None) -> Callable[[Tensor], Tensor]:
     """How a head's outputs become draft logits (float32): an EAGLE-3 head's own LM head; an EAGLE-1/2
     head's predicted features through the target's LM head, only its draft vocabulary's rows when it has
-    one (so a draft step reads N rows, not V). Made once per loaded head, shared by its drafters."""
+    one (so a draft step reads N rows, not V). Made once per loaded head, shared by its drafters. ``rows``: the
+    bytes ``head_rows`` made, made earlier."""
     if isinstance(head, Eagle3Head):
         return head.logits
     lm_head = target.get_output_embeddings()
     if head.vocab is not None:
-        lm_head = reduced_lm_head(lm_head, head.vocab)
+        lm_head = reduced_lm_head(lm_head, head.vocab, rows)
     return lambda out: lm_head(out).float()
+
+
+def head_rows(head: Head, target: PreTrainedModel) -> Tensor | None:
+    """The 4-bit rows of a 4-bit target's LM head that ``head_logits`` reads this head's logits through
+    (``vocab.RoundedRows``), as the kernel's bytes; None where it reads none."""
+    lm_head = target.get_output_embeddings()
+    if isinstance(head, Eagle3Head) or head.vocab is None or not isinstance(lm_head, Int8Linear):
+        return None
+    return RoundedRows.rounded(lm_head, head.vocab)
 
 
 class EagleDrafter(BaseDrafter):
