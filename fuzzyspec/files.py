@@ -76,11 +76,17 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> M
         except Exception as error:  # noqa: BLE001 (any unreadable file is made again: nothing is lost)
             log.warning("fuzzyspec: %s could not be read (%s: %s); making it again", kept, type(error).__name__, error)
     made = make()
+    checksums = getattr(torch.serialization, "get_crc32_options", lambda: None)()
+    if checksums:  # (a memory-mapped load checks none; computing them was half the time of writing 213 MB)
+        torch.serialization.set_crc32_options(False)
     try:
         write_whole(kept, lambda temp: torch.save(made, temp))
     except (OSError, RuntimeError) as error:
         log.warning("fuzzyspec: could not keep %s (%s); it is made again next time", kept, error)
         return made
+    finally:
+        if checksums:
+            torch.serialization.set_crc32_options(True)
     for older in kept.parent.glob(f"{name}-{'?' * 16}.pt"):
         if older != kept:
             older.unlink(missing_ok=True)

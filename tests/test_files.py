@@ -30,6 +30,7 @@ def test_made_once_then_read_back_as_it_was(cache, tmp_path):
     first = files.made_once("thing", [source], made_counting(made))
     again = files.made_once("thing", [source], made_counting(made))
     assert len(made) == 1 and len(list(cache.glob("thing-*.pt"))) == 1
+    assert torch.serialization.get_crc32_options()  # (written without checksums; the user's own saves keep them)
     assert torch.equal(again.weight, first.weight) and torch.equal(again.bias, first.bias)
     assert again.tied is again.weight
     assert again.view.untyped_storage().data_ptr() == again.weight.untyped_storage().data_ptr()
