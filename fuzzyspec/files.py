@@ -59,7 +59,10 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> M
     Why: the embedded 4-bit target's GGUF blocks took 0.6 s of every run to unpack and repack for the kernel; its kept
     form loads in 25 ms. The file is named by ``name`` and a digest of the sources (their paths, sizes and
     modification times) and of this package's code (``_code_version``), so an edited or replaced source, or another
-    version of fuzzyspec, makes it again; the older files of ``name`` are then removed. A kept file is a pickle this
+    version of fuzzyspec, makes it again. Of ``name``'s files, the two used last stay (a use marks its file's time):
+    two versions in use by turns (two installs, a benchmark of two commits) keep theirs, where removing every other
+    file made each version's runs make theirs again; a third one made removes the one used least lately. A kept
+    file is a pickle this
     package wrote into its own cache (as the built kernels beside it are code it built): read with
     ``weights_only=False``, since it holds our modules. One that cannot be read is made again; one that cannot be
     written (a full disk, a read-only cache) is logged and the made object used as it is."""
@@ -72,7 +75,9 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> M
     kept = cache_dir() / "made" / f"{name}-{stamp.hexdigest()[:16]}.pt"
     if kept.is_file():
         try:
-            return torch.load(kept, mmap=True, weights_only=False)
+            found = torch.load(kept, mmap=True, weights_only=False)
+            os.utime(kept)  # (used now: see above)
+            return found
         except Exception as error:  # noqa: BLE001 (any unreadable file is made again: nothing is lost)
             log.warning("fuzzyspec: %s could not be read (%s: %s); making it again", kept, type(error).__name__, error)
     made = make()
@@ -87,7 +92,17 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> M
     finally:
         if checksums:
             torch.serialization.set_crc32_options(True)
-    for older in kept.parent.glob(f"{name}-{'?' * 16}.pt"):
-        if older != kept:
-            older.unlink(missing_ok=True)
+    others = [other for other in kept.parent.glob(f"{name}-{'?' * 16}.pt") if other != kept]
+    for unused in sorted(others, key=_used_last, reverse=True)[KEPT_VERSIONS - 1:]:
+        unused.unlink(missing_ok=True)
     return made
+
+
+KEPT_VERSIONS = 2  # files ``made_once`` keeps of one name
+
+
+def _used_last(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # (removed meanwhile by another process)
+        return 0.0

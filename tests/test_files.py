@@ -36,18 +36,28 @@ def test_made_once_then_read_back_as_it_was(cache, tmp_path):
     assert again.view.untyped_storage().data_ptr() == again.weight.untyped_storage().data_ptr()
 
 
-def test_a_changed_source_makes_it_again_and_the_older_file_goes(cache, tmp_path):
+def test_a_changed_source_makes_it_again_and_the_file_used_least_lately_goes(cache, tmp_path):
     source, other = tmp_path / "weights.bin", tmp_path / "other.bin"
     source.write_bytes(b"abc")
     other.write_bytes(b"xyz")
     made = []
-    files.made_once("thing", [source], made_counting(made))
+
+    def version(seconds: int) -> None:  # (the source as it was, or as changed ``seconds`` later)
+        os.utime(source, ns=(10**18 + seconds * 10**9, 10**18 + seconds * 10**9))
+        files.made_once("thing", [source], made_counting(made))
+
     files.made_once("thing-other", [other], made_counting(made))  # (a name that begins as the first does)
-    status = source.stat()
-    os.utime(source, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))
-    files.made_once("thing", [source], made_counting(made))
-    assert len(made) == 3
-    assert len(list(cache.glob("thing-????????????????.pt"))) == 1
+    version(0)
+    first, = cache.glob("thing-????????????????.pt")
+    version(1)
+    assert len(made) == 3 and len(list(cache.glob("thing-????????????????.pt"))) == 2
+    second, = set(cache.glob("thing-????????????????.pt")) - {first}
+    os.utime(first, (1, 1))  # (used long ago)
+    version(0)  # (used again: read back, so now the one used last)
+    assert len(made) == 3 and first.stat().st_mtime > 1
+    version(2)  # (a third: the file of version 1, used least lately, goes)
+    assert len(made) == 4
+    assert len(list(cache.glob("thing-????????????????.pt"))) == 2 and first.exists() and not second.exists()
     assert len(list(cache.glob("thing-other-*.pt"))) == 1
 
 
