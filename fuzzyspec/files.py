@@ -61,11 +61,11 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> M
     modification times) and of this package's code (``_code_version``), so an edited or replaced source, or another
     version of fuzzyspec, makes it again. Of ``name``'s files, the two used last stay (a use marks its file's time):
     two versions in use by turns (two installs, a benchmark of two commits) keep theirs, where removing every other
-    file made each version's runs make theirs again; a third one made removes the one used least lately. A kept
-    file is a pickle this
-    package wrote into its own cache (as the built kernels beside it are code it built): read with
-    ``weights_only=False``, since it holds our modules. One that cannot be read is made again; one that cannot be
-    written (a full disk, a read-only cache) is logged and the made object used as it is."""
+    file made each version's runs make theirs again; a third one made removes the one used least lately.
+
+    A kept file is a pickle this package wrote into its own cache (as the built kernels beside it are code it built):
+    read with ``weights_only=False``, since it holds our modules. One that cannot be read is made again; one that
+    cannot be written (a full disk, a read-only cache) is logged and the made object used as it is."""
     import torch
 
     stamp = hashlib.sha256(_code_version().encode())
@@ -76,10 +76,14 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> M
     if kept.is_file():
         try:
             found = torch.load(kept, mmap=True, weights_only=False)
-            os.utime(kept)  # (used now: see above)
-            return found
         except Exception as error:  # noqa: BLE001 (any unreadable file is made again: nothing is lost)
             log.warning("fuzzyspec: %s could not be read (%s: %s); making it again", kept, type(error).__name__, error)
+        else:
+            try:
+                os.utime(kept)  # (used now: see above)
+            except OSError:  # (a cache others keep, read-only here)
+                pass
+            return found
     made = make()
     checksums = getattr(torch.serialization, "get_crc32_options", lambda: None)()
     if checksums:  # (a memory-mapped load checks none; computing them was half the time of writing 213 MB)
