@@ -354,10 +354,28 @@ def _saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     if saved.get("tokenizer_class") == "TokenizersBackend":
         from transformers import TokenizersBackend
 
-        return TokenizersBackend.from_pretrained(folder)
+        tokenizer = TokenizersBackend.from_pretrained(folder)
+        if "added_tokens_decoder" not in saved and tokenizer.added_tokens_decoder:
+            _note_added_tokens(settings, saved, tokenizer)
+        return tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+def _note_added_tokens(settings: Path, saved: dict, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Write the tokenizer's added tokens into its folder's ``tokenizer_config.json`` (``added_tokens_decoder``, a
+    field transformers reads there; its ``save_pretrained`` leaves it out). Without it, every load parsed the whole
+    3.5 MB tokenizer.json in Python to find them, before the Rust tokenizer parsed it again: the embedded target's
+    tokenizer loaded in 0.10-0.17 s with it, 0.26-0.31 s without, the same tokenizer (ids, special tokens, chat
+    template). A cache this process cannot write is left as it is."""
+    noted = {**saved, "added_tokens_decoder": {str(index): token.__getstate__()
+                                               for index, token in tokenizer.added_tokens_decoder.items()}}
+    try:
+        write_whole(settings, lambda temp: temp.write_text(json.dumps(noted, indent=2, ensure_ascii=False) + "\n",
+                                                           encoding="utf-8"))
+    except OSError as error:
+        log.debug("could not note the added tokens in %s: %s", settings, error)
 
 
 def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:
