@@ -6,12 +6,14 @@ errors answer at once; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import importlib.util
 import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -836,9 +838,16 @@ COMMANDS = {"generate": _generate, "calibrate": _calibrate, "bench": _bench, "se
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return _main(argv)[0]
+
+
+def _main(argv: Sequence[str] | None = None) -> tuple[int, str | None]:
+    """``main``'s exit code, and the command it ran (None where the arguments named none)."""
+    command = None
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        command = args.command
         if args.command is None:
             parser.print_usage(sys.stderr)
             raise UsageError("a command is required: generate, calibrate, bench, serve, tune, train or lm-eval "
@@ -860,18 +869,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         COMMANDS[args.command](args)
     except UsageError as error:
         print(f"fuzzyspec: error: {error}", file=sys.stderr)
-        return 2
+        return 2, command
     except OptionError as error:  # a decoding option, said as the user wrote it
         print(f"fuzzyspec: error: {error.spelled(flag(error.option))}", file=sys.stderr)
-        return 2
+        return 2, command
     except (ValueError, OSError) as error:  # LoadError is a ValueError; every message is meant for the user
         log.debug("failed", exc_info=True)
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"fuzzyspec: error: {text}", file=sys.stderr)
-        return 2
+        return 2, command
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return 130
+        return 130, command
     except RuntimeError as error:  # a peer of a tensor-parallel launch died or went silent: one line, every rank
         from .core import parallel
 
@@ -879,8 +888,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         log.debug("failed", exc_info=True)
         print(f"fuzzyspec: error (rank {parallel.rank()}): {parallel.describe(error)}", file=sys.stderr)
-        return 1
-    return 0
+        return 1, command
+    return 0, command
 
 
 def run() -> None:
@@ -891,9 +900,30 @@ def run() -> None:
     s of a 4 s ``generate``, so the collector waits until the command has loaded what it needs (``_started``). At
     exit everything is frozen: the interpreter's own last collections scanned it all once more, another 0.7 s."""
     gc.disable()
-    code = main()
+    code, command = _main()
     gc.freeze()
+    if command == "generate" and code == 0:
+        _leave(code)
     sys.exit(code)
+
+
+def _leave(code: int) -> None:
+    """End an answered ``generate`` at once: what Python's own exit does that anyone relies on is done first (the other
+    threads joined, as a kernel build started for nothing finishes; the exit handlers run, which flush the logs and
+    call ``weakref.finalize``'s callbacks), then the process ends without tearing the interpreter down. That tear-down
+    (clearing every module, freeing the models' objects one by one) took 0.15 s of a 3.2 s main command on a 2-core
+    AVX2 EPYC, after the answer was out; every file this command writes is closed when written. Only where the
+    interpreter offers its exit handlers to be run (CPython's ``atexit._run_exitfuncs``)."""
+    run_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_handlers is None:
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    run_handlers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

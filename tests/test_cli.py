@@ -322,6 +322,36 @@ def test_the_collector_waits_for_start_up_in_a_process_of_its_own_and_only_there
     assert gc.isenabled() and gc.get_freeze_count() == frozen
 
 
+LEFT_AT_ONCE = """
+import atexit, pathlib, sys, threading, time, weakref
+from fuzzyspec import cli
+out = pathlib.Path(sys.argv[2])
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()
+class Held:
+    pass
+held = Held()
+weakref.finalize(held, lambda: (out / "finalized").write_text("ran"))
+atexit.register(lambda: (out / "handler").write_text("ran"))
+sys.argv = ["fuzzyspec", "generate", "hi", "--method", "ar", "--max-new-tokens", "3", "--json", "--target", sys.argv[1]]
+cli.run()
+"""
+
+
+def test_an_answered_generate_leaves_at_once_having_done_what_an_exit_does(tiny_dirs, tmp_path):
+    """The console script ends an answered ``generate`` without the interpreter's tear-down (0.15 s of the main
+    command), after what a normal exit does that anyone relies on: other threads joined, exit handlers and
+    ``weakref.finalize`` callbacks run, the output whole."""
+    done = subprocess.run([sys.executable, "-c", LEFT_AT_ONCE, tiny_dirs["target"], str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["new_tokens"] <= 3
+    assert {path.name: path.read_text() for path in tmp_path.iterdir()} == {
+        "thread": "joined", "handler": "ran", "finalized": "ran"}
+
+
 def test_a_prompt_longer_than_the_context_is_refused_before_decoding(capsys, tiny_dirs):
     fails_cleanly(capsys, ["generate", "hi " * 2000, "--target", tiny_dirs["target"], "--method", "ar"],
                   "the target's context holds")
