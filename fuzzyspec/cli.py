@@ -921,8 +921,11 @@ def _leave(code: int) -> None:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     run_handlers()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # (a reader that went away: as Python's own exit, nothing more to say)
+            pass
     os._exit(code)
 
 
