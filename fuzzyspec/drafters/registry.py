@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..core.draft import Drafter
-from ..files import made_once
 from ..core.int4 import Int8Linear, holds_blocks, round_linears, roundable
+from ..files import made_once
 from ..loading import EMBEDDED, LoadError, check_model_name, check_vocabularies, load_model, shipped
 from ..options import DEFAULT_DRAFT, DEFAULT_JOB
 from .draftlm import DraftLM, is_shared_draft, load_draft_lm, self_draft
