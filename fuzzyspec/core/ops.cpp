@@ -223,18 +223,11 @@ int64_t groups_of(const Tensor& packed, bool eight, int64_t inputs, int64_t outp
   return packed.size(0);
 }
 
-// A decoder layer of 4-bit or 8-bit projections, whole (layer_kernel.cpp): h [B, T, hidden] -> [B, T, hidden]; the
-// cache as rope_store takes it (contiguous here), mask [B, 1, T, capacity] as attend does. The projections' format is
-// the q|k|v weight's (all four alike); an empty input_norm: none (an EAGLE head's layer).
-Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, Tensor o, Tensor post_norm,
-                     double post_eps, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor keys, Tensor values,
-                     Tensor where, Tensor write, Tensor mask, int64_t heads, int64_t kv_heads, double scale) {
-  check(h.dim() == 3 && h.scalar_type() == ScalarType::Float, "decoder_layer: h [B, T, hidden] float32");
-  check((keys.scalar_type() == ScalarType::Float || keys.scalar_type() == ScalarType::Half) &&
-            values.scalar_type() == keys.scalar_type() && keys.dim() == 4 && values.sizes().equals(keys.sizes()) &&
-            keys.is_contiguous() && values.is_contiguous() && keys.size(1) == kv_heads,
-        "decoder_layer: contiguous float32 or float16 keys and values [slots, kv_heads, capacity, D]");
-  const int64_t rows = h.size(0), width = h.size(1), hidden = h.size(2), dim = keys.size(3), capacity = keys.size(2);
+// One decoder layer's weights as layer_kernel.cpp takes them, checked: an empty input_norm is none (an EAGLE head's
+// layer); the projections' format is the q|k|v weight's (all four alike).
+fuzzyspec::Layer layer_of(const Tensor& input_norm, double input_eps, const Tensor& qkv, const Tensor& o,
+                          const Tensor& post_norm, double post_eps, const Tensor& gate_up, const Tensor& down,
+                          int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, double scale) {
   const int64_t inner = down.dim() == 3 ? down.size(1) * 32 : 0;
   const bool normed = input_norm.numel() > 0;
   for (const Tensor* norm : {&input_norm, &post_norm})
@@ -247,13 +240,40 @@ Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, 
                 o_groups = groups_of(o, eight, heads * dim, hidden, "o"),
                 gate_up_groups = groups_of(gate_up, eight, hidden, 2 * inner, "gate|up"),
                 down_groups = groups_of(down, eight, inner, hidden, "down");
-  const fuzzyspec::Layer layer{normed ? input_norm.const_data_ptr<float>() : nullptr,
-                               post_norm.const_data_ptr<float>(), static_cast<float>(input_eps),
-                               static_cast<float>(post_eps), eight,
-                               qkv.const_data_ptr<uint8_t>(), o.const_data_ptr<uint8_t>(),
-                               gate_up.const_data_ptr<uint8_t>(), down.const_data_ptr<uint8_t>(),
-                               qkv_groups, o_groups, gate_up_groups, down_groups,
-                               hidden, inner, heads, kv_heads, dim, static_cast<float>(scale)};
+  return {normed ? input_norm.const_data_ptr<float>() : nullptr, post_norm.const_data_ptr<float>(),
+          static_cast<float>(input_eps), static_cast<float>(post_eps), eight, qkv.const_data_ptr<uint8_t>(),
+          o.const_data_ptr<uint8_t>(), gate_up.const_data_ptr<uint8_t>(), down.const_data_ptr<uint8_t>(), qkv_groups,
+          o_groups, gate_up_groups, down_groups, hidden, inner, heads, kv_heads, dim, static_cast<float>(scale)};
+}
+
+// Decoder layers of 4-bit or 8-bit projections, one after another, each whole (layer_kernel.cpp): h [B, T, hidden] ->
+// [B, T, hidden]. Layer i's weights are item i of each list, its cache keys[i] and values[i] (contiguous float32 or
+// float16 [slots, kv_heads, capacity, D], written as rope_store writes), and every layer takes the same positions,
+// cos and sin, and mask [B, 1, T, capacity] (as attend does). Everything is checked before anything is written.
+// A model's layers in one call, where a call a layer cost about 10 us each of Python and the dispatcher.
+Tensor decoder_layers(Tensor h, std::vector<Tensor> input_norms, std::vector<double> input_eps, std::vector<Tensor> qkv,
+                      std::vector<Tensor> o, std::vector<Tensor> post_norms, std::vector<double> post_eps,
+                      std::vector<Tensor> gate_up, std::vector<Tensor> down, Tensor cos, Tensor sin,
+                      std::vector<Tensor> keys, std::vector<Tensor> values, Tensor where, Tensor write, Tensor mask,
+                      int64_t heads, int64_t kv_heads, double scale) {
+  const size_t count = qkv.size();
+  check(count > 0 && input_norms.size() == count && input_eps.size() == count && o.size() == count &&
+            post_norms.size() == count && post_eps.size() == count && gate_up.size() == count &&
+            down.size() == count && keys.size() == count && values.size() == count,
+        "decoder_layers: one item a layer in every list");
+  check(h.dim() == 3 && h.scalar_type() == ScalarType::Float, "decoder_layer: h [B, T, hidden] float32");
+  const int64_t rows = h.size(0), width = h.size(1), hidden = h.size(2);
+  for (size_t i = 0; i < count; ++i)
+    check((keys[i].scalar_type() == ScalarType::Float || keys[i].scalar_type() == ScalarType::Half) &&
+              values[i].scalar_type() == keys[i].scalar_type() && keys[i].dim() == 4 &&
+              values[i].sizes().equals(keys[i].sizes()) && keys[i].sizes().equals(keys[0].sizes()) &&
+              keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(1) == kv_heads,
+          "decoder_layer: contiguous float32 or float16 keys and values [slots, kv_heads, capacity, D]");
+  const int64_t dim = keys[0].size(3), capacity = keys[0].size(2);
+  std::vector<fuzzyspec::Layer> layers;
+  for (size_t i = 0; i < count; ++i)
+    layers.push_back(layer_of(input_norms[i], input_eps[i], qkv[i], o[i], post_norms[i], post_eps[i], gate_up[i],
+                              down[i], hidden, heads, kv_heads, dim, scale));
   const Tensor x = dense(h), c = dense(cos), s = dense(sin), allowed = dense(mask);
   check(c.scalar_type() == ScalarType::Float && s.scalar_type() == ScalarType::Float &&
             c.numel() == rows * width * dim && s.numel() == c.numel(),
@@ -261,13 +281,26 @@ Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, 
   check(allowed.scalar_type() == ScalarType::Bool && allowed.dim() == 4 && allowed.size(0) == rows &&
             allowed.size(2) == width && allowed.size(3) == capacity,
         "decoder_layer: a bool mask [B, 1, T, capacity]");
-  const auto [slot, position] = slots_and_positions(where, write, keys, rows, width, "decoder_layer");
-  Tensor out = empty_floats({rows, width, hidden});
-  const fuzzyspec::Cache cache = cache_of(keys, values);
-  fuzzyspec::decoder_layer(x.const_data_ptr<float>(), layer, c.const_data_ptr<float>(), s.const_data_ptr<float>(),
-                           cache, capacity, allowed.const_data_ptr<bool>(), slot.const_data_ptr<int64_t>(),
-                           position.const_data_ptr<int64_t>(), rows, width, out.mutable_data_ptr<float>());
-  return out;
+  const auto [slot, position] = slots_and_positions(where, write, keys[0], rows, width, "decoder_layer");
+  // (a layer reads its input whole before its output is written, so two buffers take turns)
+  Tensor out[2] = {empty_floats({rows, width, hidden}), empty_floats({count > 1 ? rows : 0, width, hidden})};
+  const float* in = x.const_data_ptr<float>();
+  for (size_t i = 0; i < count; ++i) {
+    float* result = out[i % 2].mutable_data_ptr<float>();
+    fuzzyspec::decoder_layer(in, layers[i], c.const_data_ptr<float>(), s.const_data_ptr<float>(),
+                             cache_of(keys[i], values[i]), capacity, allowed.const_data_ptr<bool>(),
+                             slot.const_data_ptr<int64_t>(), position.const_data_ptr<int64_t>(), rows, width, result);
+    in = result;
+  }
+  return out[(count - 1) % 2];
+}
+
+// One decoder layer (``decoder_layers`` of one): an EAGLE head's, or a model's where each layer is called alone.
+Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, Tensor o, Tensor post_norm,
+                     double post_eps, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor keys, Tensor values,
+                     Tensor where, Tensor write, Tensor mask, int64_t heads, int64_t kv_heads, double scale) {
+  return decoder_layers(h, {input_norm}, {input_eps}, {qkv}, {o}, {post_norm}, {post_eps}, {gate_up}, {down}, cos,
+                        sin, {keys}, {values}, where, write, mask, heads, kv_heads, scale);
 }
 
 // A tree's kept path moved down in one slot of every layer's cache, in one call: in each of ``caches`` ([slots,
@@ -319,6 +352,10 @@ STABLE_TORCH_LIBRARY(fuzzyspec_layer, m) {
   m.def("decoder_layer(Tensor h, Tensor input_norm, float input_eps, Tensor qkv, Tensor o, Tensor post_norm, "
         "float post_eps, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor where, Tensor write, Tensor mask, int heads, int kv_heads, float scale) -> Tensor");
+  m.def("decoder_layers(Tensor h, Tensor[] input_norms, float[] input_eps, Tensor[] qkv, Tensor[] o, "
+        "Tensor[] post_norms, float[] post_eps, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor where, Tensor write, Tensor mask, int heads, int kv_heads, "
+        "float scale) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
@@ -327,4 +364,5 @@ STABLE_TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
   m.impl("keep_columns", TORCH_BOX(&keep_columns));
   m.impl("silu_mul", TORCH_BOX(&silu_mul));
   m.impl("decoder_layer", TORCH_BOX(&decoder_layer));
+  m.impl("decoder_layers", TORCH_BOX(&decoder_layers));
 }

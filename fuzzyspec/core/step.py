@@ -100,6 +100,11 @@ def _fused(x: Tensor) -> bool:
             and not torch.compiler.is_compiling() and kernels.available())
 
 
+def _whole_calls(h: Tensor, keys: Tensor) -> bool:
+    """Whether an eager step runs a layer's ``whole_layer`` in one call (``fuzzyspec_layer.decoder_layer``)."""
+    return _fused(h) and keys.dtype in (torch.float32, torch.float16)
+
+
 def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
                   where: Tensor, write: Tensor, mask: Tensor, slots: Tensor | None, heads: Heads,
                   qkv: nn.Module | None = None, gate_up: nn.Module | None = None, whole: tuple | None = None
@@ -110,7 +115,7 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
     [B, 1, k, capacity] allows; ``cos``, ``sin`` [B, k, 1, D]. ``qkv``, ``gate_up``: fused projections, if any.
     ``whole``: the layer's ``whole_layer``, which an eager float32 step runs in one call. Returns the new ``h``.
     The target's step and an EAGLE head's step both run their layers through it."""
-    if whole is not None and _fused(h) and keys.dtype in (torch.float32, torch.float16):
+    if whole is not None and _whole_calls(h, keys):
         return torch.ops.fuzzyspec_layer.decoder_layer(h, *whole, cos, sin, keys, values, where, write, mask,
                                                        heads.count, heads.kv, heads.dim ** -0.5)
     rows, width = h.shape[:2]
@@ -218,6 +223,8 @@ class LlamaForward(nn.Module):
         wholes = [whole_layer(layer, self.heads, qkv, gate_up)
                   for layer, qkv, gate_up in zip(self.decoder.layers, self.qkv, self.gate_up)]
         self.whole = wholes if all(w is not None for w in wholes) else None
+        # the same, all layers in one call (``fuzzyspec_layer.decoder_layers``): each of its arguments' list by layer
+        self.stacked = [list(column) for column in zip(*wholes)] if self.whole is not None else None
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -234,11 +241,19 @@ class LlamaForward(nn.Module):
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, k, heads, D]
         where = (slots if slots is not None else torch.arange(rows, device=tokens.device))[:, None]
         found: Features = {}
-        for i, layer in enumerate(self.decoder.layers):
-            if i in features:
-                found[i] = h
-            h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
-                              self.heads, self.qkv[i], self.gate_up[i], self.whole and self.whole[i])
+        if self.whole is not None and self.stacked is not None and _whole_calls(h, cache.keys[0]) and all(
+                i in (0, self.layer_count) for i in features):  # (no inner layer's input asked for: one call)
+            if 0 in features:
+                found[0] = h
+            h = torch.ops.fuzzyspec_layer.decoder_layers(h, *self.stacked, cos, sin, cache.keys, cache.values, where,
+                                                         write, mask, self.heads.count, self.heads.kv,
+                                                         self.heads.dim ** -0.5)
+        else:
+            for i, layer in enumerate(self.decoder.layers):
+                if i in features:
+                    found[i] = h
+                h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
+                                  self.heads, self.qkv[i], self.gate_up[i], self.whole and self.whole[i])
         h = rms_norm(self.decoder.norm, h)
         if self.layer_count in features:
             found[self.layer_count] = h

@@ -156,6 +156,52 @@ def test_a_4bit_layer_in_one_call_gives_what_its_separate_ops_give(cache_dtype):
     assert all(map(torch.equal, keys, before)) and layer.self_attn.qkv_proj.packed.shape[0] > 0
 
 
+def test_a_4bit_models_layers_in_one_call_give_what_a_call_a_layer_gives(monkeypatch):
+    """An eager float32 step of a 4-bit target whose drafter asks for no inner layer's input runs all its layers in one
+    call (``fuzzyspec_layer.decoder_layers``): the same logits, features and cache, bit for bit, as a call a layer,
+    batched and over a tree; an inner layer asked for takes a call a layer; a position past the cache's end is
+    refused before any layer's cache is written."""
+    from fuzzyspec.core import step as step_module
+
+    model = int4_model(seed=4, fused=True, hidden=64)
+    assert len(model.model.layers) == 2
+    stacked, layered = TargetStep(model), TargetStep(model)
+    layered.forward.stacked = None
+    one_layer = step_module.decoder_layer
+    calls = []
+    monkeypatch.setattr(step_module, "decoder_layer", lambda *args, **kwargs: calls.append(1) or one_layer(*args,
+                                                                                                            **kwargs))
+    tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    results = []
+    for step in (stacked, layered):
+        cache = StaticCache.for_model(model.config, 2, 32, torch.float16, "cpu")
+        seen = []
+        with torch.inference_mode():
+            cache.lengths = [0, 0]
+            seen.append(run_step(step, cache, [[3, 9, 4, 4, 8], [7, 1, 2, 5, 6]], features=(0, 2)))
+            cache.lengths = [3, 5]
+            seen.append(run_step(step, cache, [[6, 11, 12, 13], [2, 2, 3, 1]], tree.expand(2, 4, 4),
+                                 torch.tensor([[0, 1, 1, 2]] * 2), features=(2,)))
+            cache.lengths = [7, 9]
+            seen.append(run_step(step, cache, [[4], [5]], features=(1, 2)))  # (an inner layer: a call a layer)
+        results.append((seen, cache.keys, cache.values))
+        assert len(calls) == (2 if step is stacked else 6)
+        calls.clear()
+    (seen, keys, values), (expected, expected_keys, expected_values) = results
+    for (logits, found), (expected_logits, expected_found) in zip(seen, expected):
+        assert torch.equal(logits, expected_logits)
+        assert found.keys() == expected_found.keys() and all(torch.equal(found[i], expected_found[i]) for i in found)
+    assert all(map(torch.equal, keys + values, expected_keys + expected_values))
+    before = [t.clone() for t in keys + values]
+    h, cos, sin = torch.randn(1, 2, 64), torch.ones(1, 2, 1, 16), torch.zeros(1, 2, 1, 16)
+    with pytest.raises(RuntimeError) as refused:
+        torch.ops.fuzzyspec_layer.decoder_layers(h, *stacked.forward.stacked, cos, sin, keys, values,
+                                                 torch.tensor([[0]]), torch.tensor([[31, 32]]),
+                                                 torch.ones(1, 1, 2, 32, dtype=torch.bool), 4, 2, 0.25)
+    assert str(refused.value).splitlines()[0] == "decoder_layer: a position past the cache's end"
+    assert all(map(torch.equal, keys + values, before))
+
+
 def test_an_8bit_layer_without_an_input_norm_in_one_call_gives_what_its_separate_ops_give():
     """The same call serves an EAGLE head's layer as a 4-bit target's drafter holds it: 8-bit projections, q, k
     and v (gate and up) separate, packed side by side for the call, and no input norm. Its separate ops take PyTorch's
