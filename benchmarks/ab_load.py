@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 
-from ab_main_command import checkout  # (this folder's modules)
+from ab_main_command import checkout, run_from  # (this folder's modules)
 from bench_step import ROOT
 from turns import balanced_turns
 
@@ -57,10 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--first", action="store_true", help="empty the cache's made/ folder before every run")
     args = parser.parse_args()
-    before = checkout(args.before)
-    ways = {"this checkout": {"cwd": ROOT},
-            f"at {args.before}": {"cwd": before, "env": {**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(before), os.environ.get("PYTHONPATH", "")])}}}
+    ways = {"this checkout": {"cwd": ROOT}, f"at {args.before}": run_from(checkout(args.before))}
     print(f"fuzzyspec ab_load: {machine()}; {'first loads (made/ emptied before each)' if args.first else 'later loads'}"
           f"; {time.strftime('%Y-%m-%d')}", flush=True)
     for where in ways.values():

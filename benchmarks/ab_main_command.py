@@ -36,6 +36,12 @@ def checkout(commit: str) -> Path:
     return folder if (folder / "fuzzyspec" / "__init__.py").is_file() else sources_at(resolved, folder)
 
 
+def run_from(folder: Path) -> dict:
+    """``subprocess.run``'s cwd and env for a process importing fuzzyspec from ``folder`` (``checkout``'s) first."""
+    return {"cwd": folder, "env": {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder),
+                                                                                os.environ.get("PYTHONPATH", "")])}}
+
+
 def once(command: list[str], job: list[str], threads: int, **where) -> tuple[float, dict]:
     """One run of the main command, ``python COMMAND --threads N generate MAIN_PROMPT --json JOB``, in a process of
     its own (``where``: subprocess.run's cwd and env): its wall time, and its JSON's statistics."""
@@ -77,10 +83,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    before = checkout(args.before)
-    path = os.pathsep.join([str(before), os.environ.get("PYTHONPATH", "")])
     ways = {"this checkout": (["-m", "fuzzyspec"], {"cwd": ROOT}),
-            f"at {args.before}": (["-m", "fuzzyspec"], {"cwd": before, "env": {**os.environ, "PYTHONPATH": path}})}
+            f"at {args.before}": (["-m", "fuzzyspec"], run_from(checkout(args.before)))}
     print(f"fuzzyspec ab_main_command: {machine()} (the children run {args.threads} threads); "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
     runs = compare(ways, args.repeats, args.threads)
