@@ -5,14 +5,17 @@ earlier commit's ``fuzzyspec`` folder, taken with ``git archive`` into a folder 
 use reuses it and its kernels' build). Both share everything else: the installed packages, the fuzzyspec cache
 (converted model, profiles, inductor's code). The default job and ``--method ar`` each way, alternating in balanced
 turns after one uncounted run of each (a side's first run builds its kernels); each process's wall time, medians.
+With ``--first``, every counted run is a machine's first: on a fuzzyspec cache of its own holding only the GGUF, so
+it builds the kernels, converts the tokenizer and makes the 4-bit model and the head's bytes.
 
-Usage: python benchmarks/ab_main_command.py --before COMMIT [--repeats 7] [--threads 2]
+Usage: python benchmarks/ab_main_command.py --before COMMIT [--repeats 7] [--threads 2] [--first]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +26,7 @@ from pathlib import Path
 from bench_step import MAIN_PROMPT, ROOT, sources_at  # (this folder's modules)
 from turns import balanced_turns
 
+from fuzzyspec.loading import embedded_gguf
 from fuzzyspec.tuning import machine
 
 JOBS = {"default job": [], "ar": ["--method", "ar"]}
@@ -42,30 +46,36 @@ def run_from(folder: Path) -> dict:
                                                                                 os.environ.get("PYTHONPATH", "")])}}
 
 
-def once(command: list[str], job: list[str], threads: int, **where) -> tuple[float, dict]:
+def once(command: list[str], job: list[str], threads: int, first: bool = False, **where) -> tuple[float, dict]:
     """One run of the main command, ``python COMMAND --threads N generate MAIN_PROMPT --json JOB``, in a process of
-    its own (``where``: subprocess.run's cwd and env): its wall time, and its JSON's statistics."""
-    clock = time.perf_counter()
-    done = subprocess.run([sys.executable, *command, "--threads", str(threads), "generate", MAIN_PROMPT, "--json",
-                           *job], capture_output=True, text=True, timeout=600, **where)
-    seconds = time.perf_counter() - clock
+    its own (``where``: subprocess.run's cwd and env; ``first``: on a fresh cache holding only the GGUF): its wall
+    time, and its JSON's statistics."""
+    with tempfile.TemporaryDirectory(prefix="fuzzyspec-first-") as fresh:
+        if first:
+            (Path(fresh) / "gguf").mkdir()
+            shutil.copy(embedded_gguf(), Path(fresh) / "gguf" / embedded_gguf().name)
+            where = {**where, "env": {**where.get("env", os.environ), "FUZZYSPEC_CACHE": fresh}}
+        clock = time.perf_counter()
+        done = subprocess.run([sys.executable, *command, "--threads", str(threads), "generate", MAIN_PROMPT, "--json",
+                               *job], capture_output=True, text=True, timeout=600, **where)
+        seconds = time.perf_counter() - clock
     if done.returncode:
         raise SystemExit(done.stderr)
     return seconds, json.loads(done.stdout)["stats"]
 
 
-def compare(ways: dict[str, tuple[list[str], dict]], repeats: int, threads: int
+def compare(ways: dict[str, tuple[list[str], dict]], repeats: int, threads: int, first: bool = False
             ) -> dict[tuple[str, str], list[tuple[float, dict]]]:
     """Every way (a name -> its command and ``once``'s ``where``) with every job in ``JOBS``, in balanced turns,
     after one uncounted run of each (a checkout's first run builds its kernels; every run warms the file cache):
-    each case's (seconds, statistics), and each run shown as it ends."""
+    each case's (seconds, statistics), and each run shown as it ends. ``first``: every counted run a first run."""
     cases = [(way, job) for way in ways for job in JOBS]
     for way, job in cases:
         once(ways[way][0], JOBS[job], threads, **ways[way][1])
     runs: dict[tuple[str, str], list[tuple[float, dict]]] = {case: [] for case in cases}
     for turn in balanced_turns(cases, repeats):
         for way, job in turn:
-            taken, stats = once(ways[way][0], JOBS[job], threads, **ways[way][1])
+            taken, stats = once(ways[way][0], JOBS[job], threads, first, **ways[way][1])
             runs[way, job].append((taken, stats))
             print(f"  {way:38s} {job:12s} {taken:6.2f} s (decoding {stats['wall_s']:.2f} s, "
                   f"{stats['new_tokens']} tokens)", file=sys.stderr, flush=True)
@@ -82,12 +92,13 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="the earlier commit")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--first", action="store_true", help="every counted run on a fresh cache: a first run")
     args = parser.parse_args()
     ways = {"this checkout": (["-m", "fuzzyspec"], {"cwd": ROOT}),
             f"at {args.before}": (["-m", "fuzzyspec"], run_from(checkout(args.before)))}
     print(f"fuzzyspec ab_main_command: {machine()} (the children run {args.threads} threads); "
-          f"{time.strftime('%Y-%m-%d')}", flush=True)
-    runs = compare(ways, args.repeats, args.threads)
+          f"{'first runs, each on a fresh cache; ' if args.first else ''}{time.strftime('%Y-%m-%d')}", flush=True)
+    runs = compare(ways, args.repeats, args.threads, args.first)
     for job in JOBS:
         now, then = (statistics.median(t for t, _ in runs[way, job]) for way in ways)
         print(f"  {job}: this checkout {then / now:.3f}x as fast")

@@ -177,10 +177,14 @@ def weight_form(name: str | None, weights: str = "auto", dtype: str = "auto", de
         return "int4"
     if not auto_may_hold_int4(name, dtype, device):
         return dtype
+    return _measured_float(name, device) or "int4"
+
+
+def _measured_float(name: str | None, device: str) -> str | None:
+    """The float dtype ``fuzzyspec tune`` measured faster than the int4 form for this target here, or None."""
     from . import tuning
 
-    measured = tuning.facts(tuning.weights_key(name, device)).get("fastest_weights")
-    return FLOAT_WEIGHTS.get(measured, "int4")
+    return FLOAT_WEIGHTS.get(tuning.facts(tuning.weights_key(name, device)).get("fastest_weights"))
 
 
 def auto_may_hold_int4(name: str | None, dtype: str = "auto", device: str = "cpu") -> bool:
@@ -242,18 +246,22 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
     ``cuda:N``, or ``auto`` to spread a large model over all GPUs (``device_map="auto"``). ``tp``: shard
     it over the ranks of this ``torchrun`` launch with transformers' tensor-parallel plan (``core.parallel``).
     """
-    tokenizer = None
+    tokenizer, int4 = None, None
     if int4_likely(name, dtype, device, weights, tp):
-        # The int4 form needs the kernels (built on a machine's first use) and the file's tokenizer (converted
-        # on its first use): the one is built in other processes while the other converts.
+        # The int4 form needs the kernels (built on a machine's first use), the file's tokenizer (converted on its
+        # first use) and the model at 4 bits (made from the file on its first use, with no kernel): the kernels
+        # are built in other processes while the rest is made. Made after the build, the model had added 1.4-1.8 s
+        # to a first answer on a 2-core AVX2 EPYC, whose main thread had waited 8-9 s for the build.
         kernels.build_soon()
         tokenizer = _gguf_tokenizer(name)
-    form = dtype if weights is None else weight_form(name, weights, dtype, device)
+        if not kernels.failed() and (weights == "int4" or dtype == "auto" and not _measured_float(name, device)):
+            int4 = _load_int4(name, tokenizer)
+    form = dtype if weights is None else weight_form(name, weights, dtype, device)  # (waits for the kernels)
     if tp and (form == "int4" or device == "auto"):
         raise LoadError("a tensor-parallel target needs float weights on one device per rank: use --weights "
                         "bf16 or fp32 and --device cpu or cuda")
     if form == "int4":
-        return _load_int4(name, tokenizer)
+        return int4 or _load_int4(name, tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(form, device)

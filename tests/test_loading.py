@@ -141,6 +141,50 @@ def test_auto_weights_follow_what_tune_measured_faster(tmp_path, monkeypatch):
     assert weight_form(None) == "int4"
 
 
+def _a_first_load(monkeypatch, tmp_path, failed: bool = False, unavailable: str | None = None) -> list[str]:
+    """load_model's steps toward a GGUF target at 4 bits, recorded in order, with nothing built or made."""
+    from fuzzyspec import loading
+    from fuzzyspec.core import kernels
+
+    steps: list[str] = []
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "build_soon", lambda: steps.append("build started"))
+    monkeypatch.setattr(kernels, "failed", lambda: failed)
+    monkeypatch.setattr(kernels, "unavailable", lambda: steps.append("kernels awaited") or unavailable)
+    monkeypatch.setattr(loading, "_gguf_tokenizer", lambda name: steps.append("tokenizer") or "the tokenizer")
+    monkeypatch.setattr(loading, "_load_int4", lambda name, tokenizer: steps.append("4-bit model made") or
+                        ("the 4-bit model", tokenizer))
+    return steps
+
+
+def test_the_4_bit_model_is_made_while_the_kernels_build(tmp_path, monkeypatch):
+    """A machine's first load builds the kernels in other processes: the tokenizer and the 4-bit model (which needs
+    no kernel to be made) are made meanwhile, before the kernels are awaited, and the model is made once."""
+    steps = _a_first_load(monkeypatch, tmp_path)
+    assert load_model(None) == ("the 4-bit model", "the tokenizer")
+    assert steps[:3] == ["build started", "tokenizer", "4-bit model made"] and "kernels awaited" in steps[3:]
+    assert steps.count("4-bit model made") == 1
+
+
+def test_no_4_bit_model_is_made_where_it_will_not_serve(tmp_path, monkeypatch):
+    """Not where the kernels failed to build already, nor where `tune` measured floats faster (--weights auto) or
+    --dtype asks for floats."""
+    from fuzzyspec import loading, tuning
+
+    steps = _a_first_load(monkeypatch, tmp_path, failed=True, unavailable="no compiler")
+    with pytest.raises(LoadError, match="int4 is not available: no compiler"):
+        load_model(None, weights="int4")
+    assert "4-bit model made" not in steps
+    tuning.note(tuning.weights_key(None, "cpu"), fastest_weights="fp32")
+    for dtype, weights in (("auto", "auto"), ("float32", "auto")):
+        steps = _a_first_load(monkeypatch, tmp_path)
+        monkeypatch.setattr(loading, "weight_form", lambda *args: steps.append("decided") or "float32")
+        monkeypatch.setattr(loading, "resolve_dtype", lambda *args: (_ for _ in ()).throw(LookupError("floats")))
+        with pytest.raises(LookupError, match="floats"):  # (where the float load would begin)
+            load_model(None, dtype, weights=weights)
+        assert steps == ["build started", "tokenizer", "decided"]
+
+
 def test_tune_compares_weights_again_whichever_form_auto_holds(tmp_path, monkeypatch):
     """Once float weights were measured faster, `tune` (which then loads floats) times int4 beside them, so a
     later measurement can move --weights auto back to int4."""

@@ -176,6 +176,12 @@ def loaded() -> bool:
     return _build.cache_info().currsize > 0 and _build() is None
 
 
+def failed() -> bool:
+    """Whether the kernels were tried in this process and cannot run here (asking builds nothing, and waits for no
+    build under way)."""
+    return _build.cache_info().currsize > 0 and _build() is not None
+
+
 def available() -> bool:
     """Whether the kernels run on this machine (see ``unavailable`` for why not)."""
     return unavailable() is None
