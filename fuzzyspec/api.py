@@ -14,7 +14,6 @@ from .core.engine import decode
 from .core.stats import Stats
 from .core.step import TargetStep
 from .drafters.registry import DrafterSource, load_drafter
-from .hf import eos_token_ids
 from .loading import load_model, shared_vocab_size
 from .options import DEFAULT_DRAFT
 from .text import TextStream, check_prompt, check_text
@@ -29,6 +28,17 @@ class Result:
     tokens: list[int]
     stats: Stats
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+def eos_token_ids(generation_config: Any) -> tuple[int, ...]:
+    """EOS ids from the prepared ``_eos_token_tensor``, else ``eos_token_id`` (an int or a list)."""
+    tensor = getattr(generation_config, "_eos_token_tensor", None)
+    if tensor is not None:
+        ids = tensor.reshape(-1).tolist()
+    else:
+        eos = generation_config.eos_token_id
+        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return tuple(sorted({int(i) for i in ids}))
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -859,11 +859,10 @@ def _main(argv: Sequence[str] | None = None) -> tuple[int, str | None]:
             import torch
 
             torch.set_num_threads(args.threads)
-        from transformers.utils import logging as transformers_logging
-
         from .core import parallel
+        from .loading import quiet_transformers
 
-        transformers_logging.disable_progress_bar()
+        quiet_transformers()
         if parallel.launched() and parallel.rank() != 0:
             sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; every rank still reports its errors
         COMMANDS[args.command](args)

@@ -44,6 +44,7 @@ from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from .api import eos_token_ids
 from .core.config import DecodeConfig
 from .core.engine import decode
 from .core.sampling import Sampling
@@ -204,17 +205,6 @@ def sampling_from(generation_config: GenerationConfig) -> Sampling:
     return Sampling(temperature=1.0 if temperature is None else float(temperature),
                     top_k=int(generation_config.top_k or 0),
                     top_p=1.0 if top_p is None else float(top_p))
-
-
-def eos_token_ids(generation_config: GenerationConfig) -> tuple[int, ...]:
-    """EOS ids from the prepared ``_eos_token_tensor``, else ``eos_token_id`` (an int or a list)."""
-    tensor = getattr(generation_config, "_eos_token_tensor", None)
-    if tensor is not None:
-        ids = tensor.reshape(-1).tolist()
-    else:
-        eos = generation_config.eos_token_id
-        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return tuple(sorted({int(i) for i in ids}))
 
 
 def _max_new_tokens(generation_config: GenerationConfig, prompt_len: int) -> int:

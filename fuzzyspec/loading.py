@@ -98,6 +98,17 @@ def embedded_gguf() -> Path:
     return cached
 
 
+_quiet = False  # transformers' progress bars off where it loads a model (``quiet_transformers``)
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' progress bars off while it loads a model (the CLI's choice). Turned off where a model
+    loads, not here: importing transformers only to say so took 0.75 s of a 4-bit target's answer, which needs
+    none of it (``core.llama``)."""
+    global _quiet
+    _quiet = True
+
+
 def embedded_folder() -> Path:
     """The embedded target as a transformers folder, converted from its GGUF once (about 15 s)."""
     folder = cache_dir() / EMBEDDED
@@ -291,6 +302,10 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
         # (converted above where the int4 form was likely and floats serve after all: not converted again)
         tokenizer = tokenizer or (AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else
                                   AutoTokenizer.from_pretrained(source))
+        if _quiet:
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         raise _unloadable(name, error) from error
@@ -354,36 +369,18 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
 
 
 def _saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """A tokenizer saved in ``folder``. One of transformers' own class (``TokenizersBackend``, as a GGUF's converts
-    to) is built by that class: ``AutoTokenizer`` reads the folder's model config first, and a Llama config's class
-    imports ``torch.distributed.tensor`` (1.9 s of a 7.5 s answer on a 2-core CPU; see ``core.llama``)."""
+    """A tokenizer saved in ``folder``. One of transformers' ``TokenizersBackend`` class (as a GGUF's converts to) is
+    read without transformers (``tokenizer.SavedTokenizer``: importing it took 0.75 s of a 3.3 s answer); any other
+    through ``AutoTokenizer``."""
     settings = folder / "tokenizer_config.json"
     saved = json.loads(settings.read_text()) if settings.is_file() else {}
-    if saved.get("tokenizer_class") == "TokenizersBackend":
-        from transformers import TokenizersBackend
+    if saved.get("tokenizer_class") == "TokenizersBackend" and (folder / "tokenizer.json").is_file():
+        from .tokenizer import SavedTokenizer
 
-        tokenizer = TokenizersBackend.from_pretrained(folder)
-        if "added_tokens_decoder" not in saved and tokenizer.added_tokens_decoder:
-            _note_added_tokens(settings, saved, tokenizer)
-        return tokenizer
+        return SavedTokenizer(folder)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
-
-
-def _note_added_tokens(settings: Path, saved: dict, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Write the tokenizer's added tokens into its folder's ``tokenizer_config.json`` (``added_tokens_decoder``, a
-    field transformers reads there; its ``save_pretrained`` leaves it out). Without it, every load parsed the whole
-    3.5 MB tokenizer.json in Python to find them, before the Rust tokenizer parsed it again: the embedded target's
-    tokenizer loaded in 0.10-0.17 s with it, 0.26-0.31 s without, the same tokenizer (ids, special tokens, chat
-    template). A cache this process cannot write is left as it is."""
-    noted = {**saved, "added_tokens_decoder": {str(index): token.__getstate__()
-                                               for index, token in tokenizer.added_tokens_decoder.items()}}
-    try:
-        write_whole(settings, lambda temp: temp.write_text(json.dumps(noted, indent=2, ensure_ascii=False) + "\n",
-                                                           encoding="utf-8"))
-    except OSError as error:
-        log.debug("could not note the added tokens in %s: %s", settings, error)
 
 
 def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -245,39 +245,3 @@ def test_the_embedded_tokenizer_converts_directly_as_autotokenizer_would(tmp_pat
         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     assert (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token, len(tokenizer)) == (
         2, 1, "<|im_end|>", 49152)
-
-
-@pytest.mark.embedded
-def test_a_saved_tokenizer_notes_its_added_tokens_and_loads_the_same(tmp_path):
-    """The first load of a converted tokenizer writes its added tokens into tokenizer_config.json (so later loads skip
-    transformers' parse of the whole tokenizer.json in Python); what later loads make is the same tokenizer."""
-    import json
-    import shutil
-
-    from fuzzyspec.loading import EMBEDDED, _gguf_tokenizer, _saved_tokenizer, cache_dir
-
-    _gguf_tokenizer(None)  # (the embedded target's folder, converted where it is not yet)
-    folder = tmp_path / "tokenizer"
-    folder.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(cache_dir() / EMBEDDED / name, folder / name)
-    settings = json.loads((folder / "tokenizer_config.json").read_text())
-    settings.pop("added_tokens_decoder", None)
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    first = _saved_tokenizer(folder)
-    noted = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
-    assert noted["2"] == {"content": "<|im_end|>", "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} and len(noted) == 17
-    again = _saved_tokenizer(folder)
-    assert {k: repr(v) for k, v in again.init_kwargs.items()} == {k: repr(v) for k, v in first.init_kwargs.items()}
-    assert again.added_tokens_decoder == first.added_tokens_decoder and again.get_vocab() == first.get_vocab()
-    assert (again.eos_token_id, again.bos_token_id, again.pad_token_id, again.unk_token_id, again.all_special_ids) == (
-        first.eos_token_id, first.bos_token_id, first.pad_token_id, first.unk_token_id, first.all_special_ids)
-    text = "<|im_start|>user\nnaïve café <repo_name> x<file_sep>\t\n<|endoftext|> 你好<|im_end|>"
-    assert again(text)["input_ids"] == first(text)["input_ids"]
-    chat = [{"role": "user", "content": "Hi there"}]
-    assert again.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        first.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    ids = list(range(0, len(first), 5))
-    assert again.decode(ids) == first.decode(ids) and \
-        again.decode(ids, skip_special_tokens=True) == first.decode(ids, skip_special_tokens=True)

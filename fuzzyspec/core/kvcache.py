@@ -20,15 +20,16 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
-
 from . import kernels
 from .graphs import Graphs
 from .host import upload
+
+if TYPE_CHECKING:  # (importing transformers took 0.75 s of a one-shot answer: see core.llama)
+    from transformers import DynamicCache
 
 
 @dataclass(frozen=True)

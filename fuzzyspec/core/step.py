@@ -7,7 +7,7 @@ Two forwards give the same numbers (tested):
   flat function of tensors in the manner of gpt-fast, so that ``torch.compile`` sees the whole step.
   It calls the model's own projection modules, so a model whose linear layers hold int4 weights
   (``core.int4.Int4Linear``) runs through the same code;
-- ``HFForward``: any Hugging Face causal LM, called with a ``transformers`` cache whose layers write
+- ``HFForward`` (``core.hf_forward``): any Hugging Face causal LM, called with a ``transformers`` cache whose layers write
   at the positions the engine gives and a 4D mask passed through untouched.
 
 ``Forward.__call__`` takes, for B rows of k tokens: ``tokens`` [B, k], ``positions`` [B, k] (each
@@ -30,7 +30,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
 from .attention import attend, runs as attention_runs
@@ -39,7 +38,7 @@ from .graphs import Graphs
 from .int4 import Int4Linear, Int8Linear, holds_blocks, projection_groups
 from .kernels import ROWS
 from .kept import Kept, NotKept, fingerprint, marked_like, structure
-from .kvcache import StaticCache, attention_mask, cache_keyword, chain_tree, write_positions
+from .kvcache import StaticCache, attention_mask, chain_tree, write_positions
 from .llama import normed, rotate
 from .parallel import shards
 
@@ -282,85 +281,13 @@ def fuse_float_projections(model: nn.Module) -> None:
         object.__setattr__(owner, name, fused)
 
 
-class _PositionedLayer(CacheLayerMixin):
-    """One layer's view of a StaticCache for transformers' attention: writes at the owner's positions."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, owner: "_PositionedCache", index: int) -> None:
-        super().__init__()
-        self.owner, self.index = owner, index
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        pass  # the StaticCache is allocated already
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        owner = self.owner
-        keys, values = owner.cache.keys[self.index], owner.cache.values[self.index]
-        keys[owner.where, :, owner.write] = key_states.transpose(1, 2)
-        values[owner.where, :, owner.write] = value_states.transpose(1, 2)
-        if owner.slots is not None:
-            return keys.index_select(0, owner.slots), values.index_select(0, owner.slots)
-        rows = owner.where.shape[0]
-        return (keys, values) if keys.shape[0] == rows else (keys[:rows], values[:rows])
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.cache.capacity, 0
-
-    def get_seq_length(self) -> int:  # rows have lengths of their own: position ids are always given
-        raise NotImplementedError("a positioned cache has no single length; pass position_ids and a 4D mask")
-
-    def get_max_length(self) -> int:
-        return self.owner.cache.capacity
-
-
-class _PositionedCache(Cache):
-    """A transformers ``Cache`` over a StaticCache whose write positions are set before each forward.
-    transformers' attention calls ``update(key, value, layer)`` with no positions at all (and its own
-    ``StaticCache`` writes at a counter of its own), so the positions travel on the cache object."""
-
-    def __init__(self, cache: StaticCache, layers: int) -> None:
-        self.cache = cache
-        self.where = self.write = self.slots = None
-        super().__init__(layers=[_PositionedLayer(self, i) for i in range(layers)])
-
-
-class HFForward(nn.Module):
-    """One step of any Hugging Face causal LM that takes a 4D attention mask (sdpa or eager attention)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        if implementation not in ("sdpa", "eager"):
-            raise ValueError(f"the engine needs custom attention masks, which {implementation!r} attention does not "
-                             "take: load the model with attn_implementation='sdpa' or 'eager'")
-        self.model, self.additive = model, implementation == "eager"
-        self.layer_count = model.config.num_hidden_layers
-        self.cache_keyword = cache_keyword(model.forward)
-        # transformers repeats the kv heads of grouped-query attention before SDPA whenever a mask is given
-        # (a copy of each layer's cache per step) unless told to let SDPA share them.
-        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-
-    def forward(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
-                slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = ()
-                ) -> tuple[Tensor, Features]:
-        positioned = _PositionedCache(cache, self.layer_count)
-        positioned.write, positioned.slots = write, slots
-        positioned.where = (slots if slots is not None else torch.arange(tokens.shape[0], device=tokens.device))[:, None]
-        if self.additive:  # eager attention adds the mask to the scores
-            dtype = next(self.model.parameters()).dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, **{self.cache_keyword: positioned},
-                         use_cache=True, logits_to_keep=keep, output_hidden_states=bool(features))
-        found = {i: out.hidden_states[i] for i in features} if features else {}
-        return out.logits, found
-
-
 def make_forward(model: nn.Module, own: bool = True) -> nn.Module:
     """The forward for ``model``: our own for the Llama family (unless ``own`` is False), else transformers'."""
-    return LlamaForward(model) if own and LlamaForward.supports(model) else HFForward(model)
+    if own and LlamaForward.supports(model):
+        return LlamaForward(model)
+    from .hf_forward import HFForward  # (imports transformers: a 4-bit target's answer does without it)
+
+    return HFForward(model)
 
 
 WIDTHS = (1, 2, 4, 6, 8, 12, 17, 24, 32, 48, 64)  # compiled widths: 1 (AR), gamma + 1 and tree sizes + 1 fit

@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 from safetensors.torch import load_file, save_file
-from transformers import PretrainedConfig
 
 from ..core.vocab import DraftVocab, reduced_lm_head
 from ..train.config import trained_length
 
 if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 SHARED = ("embed_tokens", "lm_head")
 

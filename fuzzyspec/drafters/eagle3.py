@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import PretrainedConfig
 
 from .draftlm import config_like, cut_layers, no_random_start
 from ..core.kvcache import DraftCache
@@ -44,7 +43,7 @@ from ..core.llama import MLP, RMSNorm, causal_mask, rotate
 from ..core.vocab import DraftVocab, reduced_lm_head
 
 if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

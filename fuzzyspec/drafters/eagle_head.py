@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import PretrainedConfig
 
 from ..core.kvcache import DraftCache, cache_keyword, model_mask
 from ..core.llama import causal_mask
@@ -36,7 +35,7 @@ from ..core.vocab import DraftVocab
 from .draftlm import config_like, cut_layers, no_random_start
 
 if TYPE_CHECKING:  # (transformers' model classes take seconds to import: see core.llama)
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 def head_config(target_config: PretrainedConfig, bias: bool = True) -> PretrainedConfig:

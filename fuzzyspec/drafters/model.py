@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from ..core.draft import BaseDrafter, Budget, Draft
 from ..core.kvcache import cache_keyword, common_prefix, crop_to
@@ -36,6 +35,8 @@ class ModelDrafter(BaseDrafter):
         self.reset()
 
     def reset(self) -> None:
+        from transformers import DynamicCache
+
         self.cache = DynamicCache()
         self.cached: Tensor | None = None  # the tokens whose keys and values are in the cache
         self.seen = 0  # the length of the sequence the last proposal was made for

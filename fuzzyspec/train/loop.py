@@ -36,12 +36,12 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from ..api import eos_token_ids
 from ..core.vocab import DraftVocab, most_frequent, token_counts
 from ..data import TokenDataset, cached_token_dataset
 from ..drafters.draftlm import load_draft_lm, own_weights
 from ..drafters.eagle3 import load_eagle3
 from ..drafters.eagle_head import load_head
-from ..hf import eos_token_ids
 from ..loading import load_model, logit_width
 from .config import DEFAULT_DRAFT_VOCAB, TrainConfig
 from .objectives import DraftObjective, Eagle3Objective, EagleObjective

@@ -75,3 +75,20 @@ def test_a_saved_config_reads_back_as_transformers_llama_config(tmp_path):
     again = AutoConfig.for_model(**json.loads((tmp_path / "config.json").read_text()))
     assert isinstance(again, LlamaConfig)
     assert all(getattr(again, key) == value for key, value in FIELDS.items())
+
+
+def test_a_config_json_transformers_wrote_reads_into_ours(tmp_path):
+    """An EAGLE head's config.json as transformers writes it makes our config (``draftlm.config_like``): its fields,
+    those ours does not name kept as they are; older rope fields read as rope parameters, whose type Rotary checks."""
+    from fuzzyspec.core.llama import Rotary
+    from fuzzyspec.drafters.draftlm import config_like
+
+    LlamaConfig(**FIELDS, bias=False).to_json_file(tmp_path / "config.json")
+    ours = config_like(json.loads((tmp_path / "config.json").read_text()), LlamaLikeConfig(**FIELDS))
+    assert type(ours) is LlamaLikeConfig and all(getattr(ours, key) == value for key, value in FIELDS.items())
+    assert ours.bias is False and ours.transformers_version
+    fields = {key: value for key, value in FIELDS.items() if key != "rope_parameters"}
+    assert LlamaLikeConfig(**fields, rope_theta=500.0).rope_parameters == {"rope_type": "default", "rope_theta": 500.0}
+    scaled = LlamaLikeConfig(**fields, rope_scaling={"type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope type 'linear' is not implemented"):
+        Rotary(scaled)

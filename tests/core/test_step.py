@@ -5,8 +5,9 @@ import torch
 from conftest import run_step as run, tiny_llama
 from fuzzyspec.core import kernels, step as step_module
 from fuzzyspec.core.kvcache import StaticCache, chain_tree
+from fuzzyspec.core.hf_forward import HFForward
 from fuzzyspec.core.llama import rotate
-from fuzzyspec.core.step import HFForward, LlamaForward, TargetStep, fuse_float_projections, rms_norm
+from fuzzyspec.core.step import LlamaForward, TargetStep, fuse_float_projections, rms_norm
 
 
 def plain(model, tokens):
