@@ -8,7 +8,9 @@ transformers' ``LlamaForCausalLM``, and its forward computes what that model's d
 Why not transformers' own classes: importing them is most of a short answer's time. On a 2-core AVX2 EPYC
 (transformers 5.24), ``LlamaConfig`` pulled in ``torch.distributed.tensor`` through its validators (1.9 s),
 ``transformers.generation.utils`` ``torch._dynamo`` (0.8 s) and ``transformers.modeling_utils`` 0.7 s more: 3.4 s
-of the README's main command's 7.5. Float targets, training and every other model still go through transformers.
+of the README's main command's 7.5. Its config too is a plain object (``LlamaLikeConfig``), as is the tokenizer's
+reader (``fuzzyspec.tokenizer``), so such an answer imports nothing of transformers. Float targets, training and every
+other model still go through transformers.
 """
 from __future__ import annotations
 
