@@ -34,7 +34,8 @@ PEAK_C = r"""
 #include <omp.h>
 #include <stdio.h>
 __attribute__((noinline)) int run(long n, int seed) {
-  __m256i w0 = _mm256_set1_epi8(3 + seed), w1 = _mm256_set1_epi8(2), a0 = _mm256_set1_epi8(5), a1 = _mm256_set1_epi8(-4);
+  __m256i w0 = _mm256_set1_epi8(3 + seed), w1 = _mm256_set1_epi8(2);
+  __m256i a0 = _mm256_set1_epi8(5), a1 = _mm256_set1_epi8(-4);
   __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
   for (long i = 0; i < n; ++i) {
     __asm__ volatile("" : "+x"(w0), "+x"(w1), "+x"(a0), "+x"(a1));

@@ -107,7 +107,8 @@ class SavedTokenizer:
 
     def decode(self, ids: int | Sequence[int] | torch.Tensor, skip_special_tokens: bool = False) -> str:
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-        text = self.backend.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.transformers().clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
     def apply_chat_template(self, conversation: Sequence[dict], add_generation_prompt: bool = False,

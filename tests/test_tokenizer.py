@@ -32,10 +32,12 @@ def test_it_encodes_decodes_and_renders_chats_as_transformers_does(both):
     for text in TEXTS:
         for special in (True, False):
             assert light.encode(text, add_special_tokens=special) == full.encode(text, add_special_tokens=special)
-        assert light(text, return_tensors="pt")["input_ids"].tolist() == full(text, return_tensors="pt")["input_ids"].tolist()
+        assert light(text, return_tensors="pt")["input_ids"].tolist() == \
+            full(text, return_tensors="pt")["input_ids"].tolist()
     generator = torch.Generator().manual_seed(0)
     for _ in range(100):
-        ids = torch.randint(len(full), (int(torch.randint(40, (1,), generator=generator)),), generator=generator).tolist()
+        length = int(torch.randint(40, (1,), generator=generator))
+        ids = torch.randint(len(full), (length,), generator=generator).tolist()
         for skip in (True, False):
             assert light.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip)
     for chat in CHATS:
@@ -44,11 +46,13 @@ def test_it_encodes_decodes_and_renders_chats_as_transformers_does(both):
                 full.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
             assert light.apply_chat_template(chat, add_generation_prompt=prompt) == \
                 dict(full.apply_chat_template(chat, add_generation_prompt=prompt))
-            assert light.apply_chat_template(chat, add_generation_prompt=prompt, return_tensors="pt")["input_ids"].tolist() \
-                == full.apply_chat_template(chat, add_generation_prompt=prompt, return_tensors="pt")["input_ids"].tolist()
+            tensors = [t.apply_chat_template(chat, add_generation_prompt=prompt, return_tensors="pt")["input_ids"]
+                       for t in (light, full)]
+            assert tensors[0].tolist() == tensors[1].tolist()
     assert light.get_vocab() == full.get_vocab() and len(light) == len(full) == 49152
-    assert (light.eos_token_id, light.bos_token_id, light.pad_token_id, light.pad_token, light.special_tokens_map) == \
-        (full.eos_token_id, full.bos_token_id, full.pad_token_id, full.pad_token, full.special_tokens_map) != (None,) * 5
+    special = [(t.eos_token_id, t.bos_token_id, t.pad_token_id, t.pad_token, t.special_tokens_map)
+               for t in (light, full)]
+    assert special[0] == special[1] and special[0][0] is not None
     assert light.chat_template == full.chat_template
 
 
@@ -84,9 +88,9 @@ def test_the_main_command_answers_without_importing_transformers():
 
 @pytest.mark.embedded
 def test_transformers_first_load_notes_the_added_tokens_and_loads_the_same(tmp_path):
-    """transformers' first load of a converted tokenizer writes its added tokens into tokenizer_config.json (so later loads skip
-    transformers' parse of the whole tokenizer.json in Python); what later loads make is the same tokenizer."""
-    import json
+    """transformers' first load of a converted tokenizer writes its added tokens into tokenizer_config.json (so
+    later loads skip transformers' parse of the whole tokenizer.json in Python); what later loads make is the same
+    tokenizer."""
     import shutil
 
     from fuzzyspec.loading import EMBEDDED, _gguf_tokenizer, cache_dir

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
+
 from . import kernels
 from .graphs import Graphs
 from .host import upload

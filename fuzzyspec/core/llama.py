@@ -72,7 +72,7 @@ class LlamaLikeConfig:
 @dataclass
 class GenerationDefaults:
     """The special tokens transformers' ``GenerationConfig.from_model_config`` takes from a config: what callers here
-    read of a model's ``generation_config`` (its EOS ids, ``hf.eos_token_ids``)."""
+    read of a model's ``generation_config`` (its EOS ids, ``api.eos_token_ids``)."""
 
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None

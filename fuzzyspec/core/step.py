@@ -7,8 +7,8 @@ Two forwards give the same numbers (tested):
   flat function of tensors in the manner of gpt-fast, so that ``torch.compile`` sees the whole step.
   It calls the model's own projection modules, so a model whose linear layers hold int4 weights
   (``core.int4.Int4Linear``) runs through the same code;
-- ``HFForward`` (``core.hf_forward``): any Hugging Face causal LM, called with a ``transformers`` cache whose layers write
-  at the positions the engine gives and a 4D mask passed through untouched.
+- ``HFForward`` (``core.hf_forward``): any Hugging Face causal LM, called with a ``transformers`` cache whose
+  layers write at the positions the engine gives and a 4D mask passed through untouched.
 
 ``Forward.__call__`` takes, for B rows of k tokens: ``tokens`` [B, k], ``positions`` [B, k] (each
 token's position id), ``write`` [B, k] (where its keys and values go in its row), ``mask``
