@@ -352,17 +352,23 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
     if not path.is_file():
         raise LoadError(f"model file not found: {name}")
     try:
-        if path == embedded_gguf() and (cache_dir() / EMBEDDED / "tokenizer.json").is_file():
-            return _saved_tokenizer(cache_dir() / EMBEDDED)
+        kept = [cache_dir() / EMBEDDED] if path == embedded_gguf() else []
         folder = cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}"
-        if not (folder / "tokenizer_config.json").is_file():
-            tokenizer = _converted_tokenizer(path)
-            partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-            tokenizer.save_pretrained(partial)
-            try:
-                partial.rename(folder)
-            except OSError:  # another process finished first
-                shutil.rmtree(partial, ignore_errors=True)
+        for saved in [*kept, folder]:
+            if (saved / "tokenizer.json").is_file() or (saved / "tokenizer_config.json").is_file():
+                try:
+                    return _saved_tokenizer(saved)
+                except ValueError as error:  # a damaged copy: the GGUF is the source, so it is converted again
+                    log.warning("the tokenizer kept in %s cannot be read (%s): converting the GGUF's again", saved,
+                                error)
+        tokenizer = _converted_tokenizer(path)
+        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+        tokenizer.save_pretrained(partial)
+        shutil.rmtree(folder, ignore_errors=True)  # (a damaged one)
+        try:
+            partial.rename(folder)
+        except OSError:  # another process finished first
+            shutil.rmtree(partial, ignore_errors=True)
         return _saved_tokenizer(folder)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         raise _unloadable(name, error) from error

@@ -36,7 +36,10 @@ class SavedTokenizer:
 
         self.folder = Path(folder)
         self.name_or_path = str(folder)
-        self.backend = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        try:
+            self.backend = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        except Exception as error:  # (tokenizers raises a bare Exception for a file it cannot parse)
+            raise ValueError(f"{self.folder / 'tokenizer.json'}: {error}") from error
         settings = json.loads((self.folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         # (a special token is saved as its text, or as an added token's fields)
         self.special_tokens_map = {name: value["content"] if isinstance(value, dict) else value

@@ -213,6 +213,28 @@ def test_tune_compares_weights_again_whichever_form_auto_holds(tmp_path, monkeyp
 
 
 @pytest.mark.embedded
+def test_a_damaged_kept_tokenizer_is_converted_again_from_the_gguf(tmp_path, monkeypatch, caplog):
+    """The GGUF is the source of a kept tokenizer folder: one that cannot be read is said in a line and made again."""
+    import json
+
+    from fuzzyspec.loading import _gguf_tokenizer, embedded_gguf
+
+    gguf = tmp_path / "copy" / embedded_gguf().name
+    gguf.parent.mkdir()
+    gguf.symlink_to(embedded_gguf())
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("fuzzyspec.loading.embedded_gguf", lambda: gguf)
+    first = _gguf_tokenizer(None)
+    kept = next((tmp_path / "cache" / "tokenizers").iterdir()) / "tokenizer.json"
+    whole = kept.read_text()
+    kept.write_text(whole[:1000])  # cut short
+    again = _gguf_tokenizer(None)
+    assert "cannot be read" in caplog.text and "converting the GGUF's again" in caplog.text
+    assert json.loads(kept.read_text()) == json.loads(whole)
+    assert again.encode("Name three rivers.") == first.encode("Name three rivers.")
+
+
+@pytest.mark.embedded
 def test_the_embedded_tokenizer_converts_directly_as_autotokenizer_would(tmp_path, monkeypatch):
     """A first run converts the embedded GGUF's tokenizer without ``AutoTokenizer``'s 9-second read of the whole
     file (``loading._converted_tokenizer``). It must be the tokenizer ``AutoTokenizer`` makes: the ids, the chat
