@@ -354,6 +354,7 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
     try:
         kept = [cache_dir() / EMBEDDED] if path == embedded_gguf() else []
         folder = cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}"
+        damaged = False
         for saved in [*kept, folder]:
             if (saved / "tokenizer.json").is_file() or (saved / "tokenizer_config.json").is_file():
                 try:
@@ -361,10 +362,12 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
                 except ValueError as error:  # a damaged copy: the GGUF is the source, so it is converted again
                     log.warning("the tokenizer kept in %s cannot be read (%s): converting the GGUF's again", saved,
                                 error)
+                    damaged = saved == folder
         tokenizer = _converted_tokenizer(path)
         partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
         tokenizer.save_pretrained(partial)
-        shutil.rmtree(folder, ignore_errors=True)  # (a damaged one)
+        if damaged:
+            shutil.rmtree(folder, ignore_errors=True)
         try:
             partial.rename(folder)
         except OSError:  # another process finished first
