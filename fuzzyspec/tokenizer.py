@@ -50,6 +50,9 @@ class SavedTokenizer:
         self.clean_up_tokenization_spaces = bool(settings.get("clean_up_tokenization_spaces", False))
         self._transformers = None
 
+    def __repr__(self) -> str:
+        return f"SavedTokenizer({str(self.folder)!r}, vocabulary={len(self)})"
+
     def __getattr__(self, name: str) -> Any:
         """What this class does not do itself, as the transformers tokenizer of the same folder does it."""
         if name.startswith("_") or name in ("folder", "backend", "special_tokens_map"):
