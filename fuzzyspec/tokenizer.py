@@ -121,11 +121,12 @@ class SavedTokenizer:
                             tokenize: bool = True, return_dict: bool = True, return_tensors: str | None = None,
                             **options: Any) -> Any:
         """transformers' ``apply_chat_template``: plain messages (a role and a text each) with no further options are
-        rendered here, as transformers renders them; anything else goes to transformers."""
+        rendered here, as transformers renders them; anything else goes to transformers, as does a template this
+        compiler does not take (one marking the assistant's tokens with transformers' ``{% generation %}``)."""
         plain = not options and self.chat_template and isinstance(conversation, (list, tuple)) and conversation and \
             all(isinstance(m, dict) and set(m) <= PLAIN_KEYS and all(isinstance(v, str) for v in m.values())
                 for m in conversation)
-        if not plain:
+        if not plain or _template(self.chat_template) is None:
             return self.transformers().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                            tokenize=tokenize, return_dict=return_dict,
                                                            return_tensors=return_tensors, **options)
@@ -141,8 +142,8 @@ class SavedTokenizer:
 @functools.lru_cache(maxsize=8)
 def _template(source: str):
     """A chat template compiled as transformers compiles one: a sandbox, blocks trimmed, loop controls, JSON without
-    HTML escapes, ``raise_exception`` and ``strftime_now``."""
-    from jinja2 import TemplateError
+    HTML escapes, ``raise_exception`` and ``strftime_now``; None for one it does not take."""
+    from jinja2 import TemplateError, TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -157,7 +158,10 @@ def _template(source: str):
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    return environment.from_string(source)
+    try:
+        return environment.from_string(source)
+    except TemplateSyntaxError:
+        return None
 
 
 def transformers_tokenizer(folder: Path):

@@ -120,3 +120,30 @@ def test_transformers_first_load_notes_the_added_tokens_and_loads_the_same(tmp_p
     ids = list(range(0, len(first), 5))
     assert again.decode(ids) == first.decode(ids) and \
         again.decode(ids, skip_special_tokens=True) == first.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.embedded
+def test_other_templates_render_as_transformers_renders_them(both, tmp_path):
+    """Templates using loop controls, namespaces, tojson and strftime_now render here as there; one marking the
+    assistant's tokens with transformers' own ``{% generation %}`` tag goes to transformers."""
+    import shutil
+
+    light, _ = both
+    templates = {
+        "controls": "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}"
+                    "{% endif %}{% set ns.n = ns.n + 1 %}{{ ns.n }}:{{ m['content'] | tojson }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}{{ bos_token }}{{ strftime_now('%Y') | length }}{% endif %}",
+        "generation": "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                      "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}",
+    }
+    for name, template in templates.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(light.folder / file, folder / file)
+        (folder / "chat_template.jinja").write_text(template)
+        ours, theirs = SavedTokenizer(folder), transformers_tokenizer(folder)
+        for prompt in (True, False):
+            assert ours.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=prompt) == \
+                theirs.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=prompt)
+        assert (ours._transformers is None) == (name == "controls")  # (the generation tag went to transformers)
