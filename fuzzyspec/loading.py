@@ -379,13 +379,13 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
 
 def _saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     """A tokenizer saved in ``folder``. One of transformers' ``TokenizersBackend`` class (as a GGUF's converts to) is
-    read without transformers (``tokenizer.SavedTokenizer``: importing it took 0.75 s of a 3.3 s answer); any other
-    through ``AutoTokenizer``."""
+    read without transformers where it can be (``tokenizer.SavedTokenizer``: importing transformers took 0.75 s of a
+    3.3 s answer); any other through ``AutoTokenizer``."""
+    from .tokenizer import SavedTokenizer
+
     settings = folder / "tokenizer_config.json"
     saved = json.loads(settings.read_text()) if settings.is_file() else {}
-    if saved.get("tokenizer_class") == "TokenizersBackend" and (folder / "tokenizer.json").is_file():
-        from .tokenizer import SavedTokenizer
-
+    if SavedTokenizer.serves(folder, saved):
         return SavedTokenizer(folder)
     from transformers import AutoTokenizer
 

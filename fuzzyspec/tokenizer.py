@@ -31,6 +31,14 @@ PLAIN_KEYS = {"role", "content"}  # a message the template renders here holds on
 class SavedTokenizer:
     """A ``TokenizersBackend`` folder's tokenizer (see the module docstring)."""
 
+    @staticmethod
+    def serves(folder: Path, settings: dict) -> bool:
+        """Whether this class reads the tokenizer saved in ``folder`` (``settings``: its tokenizer_config.json) as
+        transformers does: one of ``TokenizersBackend`` class, with its tokenizer.json, and without
+        ``add_bos_token`` or ``add_eos_token`` settings, from which transformers builds its post-processor anew."""
+        return settings.get("tokenizer_class") == "TokenizersBackend" and (folder / "tokenizer.json").is_file() and \
+            not {"add_bos_token", "add_eos_token"} & settings.keys()
+
     def __init__(self, folder: str | Path) -> None:
         from tokenizers import Tokenizer
 

@@ -147,3 +147,22 @@ def test_other_templates_render_as_transformers_renders_them(both, tmp_path):
             assert ours.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=prompt) == \
                 theirs.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=prompt)
         assert (ours._transformers is None) == (name == "controls")  # (the generation tag went to transformers)
+
+
+@pytest.mark.embedded
+def test_a_folder_whose_settings_transformers_builds_on_is_read_by_transformers(both, tmp_path):
+    """With ``add_bos_token`` set, transformers builds the tokenizer's post-processor anew from its settings: such a
+    folder is read by transformers, so its ids stay transformers' whatever they build."""
+    import shutil
+
+    from fuzzyspec.loading import _saved_tokenizer
+
+    light, _ = both
+    assert isinstance(_saved_tokenizer(light.folder), SavedTokenizer)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(light.folder / file, tmp_path / file)
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings, "add_bos_token": True}))
+    tokenizer = _saved_tokenizer(tmp_path)
+    assert not isinstance(tokenizer, SavedTokenizer)
+    assert tokenizer.encode("Hi") == transformers_tokenizer(tmp_path).encode("Hi")
