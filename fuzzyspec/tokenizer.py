@@ -110,12 +110,14 @@ class SavedTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text: str, add_special_tokens: bool = True, return_tensors: str | None = None
-                 ) -> dict[str, Any]:
-        """One text's ``input_ids`` and ``attention_mask``: lists, or [1, L] tensors with ``return_tensors="pt"``."""
+    def __call__(self, text: str, add_special_tokens: bool = True, return_tensors: str | None = None,
+                 **options: Any) -> dict[str, Any]:
+        """One text's ``input_ids`` and ``attention_mask``: lists, or [1, L] tensors with ``return_tensors="pt"``;
+        anything else (a batch of texts, padding, other tensors) as transformers' tokenizer gives it."""
+        if options or not isinstance(text, str) or return_tensors not in (None, "pt"):
+            return self.transformers()(text, add_special_tokens=add_special_tokens, return_tensors=return_tensors,
+                                       **options)
         ids = self.encode(text, add_special_tokens)
-        if return_tensors not in (None, "pt"):
-            raise ValueError(f"return_tensors={return_tensors!r} is not supported here (None or 'pt')")
         as_given = (lambda values: torch.tensor([values])) if return_tensors == "pt" else list  # noqa: E731
         return {"input_ids": as_given(ids), "attention_mask": as_given([1] * len(ids))}
 

@@ -61,6 +61,8 @@ def test_what_it_does_not_do_itself_goes_to_transformers(both):
     """Other attributes, and chats with options or messages beyond a role and a text, are transformers' answers."""
     light, full = both
     assert light.all_special_ids == full.all_special_ids and light.convert_ids_to_tokens([2]) == ["<|im_end|>"]
+    batches = [t(["Hi", "Hi there"], padding=True, return_tensors="np")["input_ids"].tolist() for t in (light, full)]
+    assert batches[0] == batches[1]
     chat = [{"role": "user", "content": "Hi", "name": "ann"}]
     assert light.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         full.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
