@@ -43,7 +43,8 @@ def build(source: str, folder: Path, name: str) -> Path:
     (folder / f"{name}.cpp").write_text(source)
     library = folder / f"{name}.so"
     torch_lib = Path(torch.__file__).parent / "lib"
-    command = ["g++", "-shared", "-fPIC", "-std=c++17", *kernels.build_flags(), str(folder / f"{name}.cpp"),
+    # (-fopenmp: a source from before 2026-11-29 runs on torch's threads through ATen/Parallel.h's inline OpenMP)
+    command = ["g++", "-shared", "-fPIC", "-std=c++17", "-fopenmp", *kernels.build_flags(), str(folder / f"{name}.cpp"),
                "-o", str(library), *(f"-I{path}" for path in cpp_extension.include_paths()),
                f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     try:

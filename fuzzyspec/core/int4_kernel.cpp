@@ -21,13 +21,11 @@
 // activations (pair sums stay below int16's limit, 2 * 128 * 127); AVX-512 shifts the activations to unsigned
 // (a + 128, once per product) and takes 128 sum(q) back off.
 //
-// Threads (at::parallel_for, torch's OpenMP pool) take groups of 16 rows. Every output is computed by the
+// Threads (torch's parallel loop, kernels.h) take groups of 16 rows. Every output is computed by the
 // same sequence of operations whatever the number of tokens and rows around it (no multiply-adds fused by the
 // compiler: -ffp-contract=off), so a token's result does not depend on its batch: a verification step gives
 // the logits a single step would.
 // Over plain arrays (kernels.h): ops.cpp checks the tensors and registers the ops.
-#include <ATen/Parallel.h>
-
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -355,7 +353,7 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_
   if constexpr (std::is_same_v<Format, Eight> && Q8_SHIFTED)
     for (int8_t& code : xq) code = static_cast<int8_t>(static_cast<uint8_t>(code) ^ 0x80u);
   const Operands o{packed, xq.data(), x_scale.data(), x_sum.data(), out, nb, N};
-  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+  fuzzyspec::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) group<Format>(o, g, M);
   });
 }

@@ -1,12 +1,27 @@
 // The CPU kernels over plain arrays: what int4_kernel.cpp and layer_kernel.cpp compute, called by ops.cpp, which
 // checks torch's tensors, makes the outputs and registers the ops. The kernels' files include none of torch's
-// headers but its parallel loop: a file with torch's tensor and op-registration headers took about 4.3 s of a
-// first use's build on 2 cores before any code of ours, so those are parsed once (ops.cpp), not in every file.
+// headers: a file with torch's tensor and op-registration headers took about 4.3 s of a first use's build on 2 cores
+// before any code of ours, so those are parsed once (ops.cpp), not in every file; and torch's parallel loop is called
+// through its stable C ABI (below), where ATen/Parallel.h cost each file about 0.8 s.
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+
+// torch's stable C ABI (torch 2.10 or later; torch/csrc/stable/c/shim.h): at::parallel_for on torch's threads,
+// body(begin, end, context) a range each; nonzero where a body threw.
+extern "C" int32_t torch_parallel_for(int64_t begin, int64_t end, int64_t grain_size,
+                                      void (*body)(int64_t, int64_t, void*), void* context);
 
 namespace fuzzyspec {
+
+// body(begin, end) over [begin, end) split among torch's threads, ranges of at least grain (as at::parallel_for).
+template <class Body>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const Body& body) {
+  auto call = [](int64_t from, int64_t to, void* context) { (*static_cast<const Body*>(context))(from, to); };
+  if (torch_parallel_for(begin, end, grain, call, const_cast<Body*>(&body)) != 0)
+    throw std::runtime_error("fuzzyspec: a CPU kernel failed on one of torch's threads");
+}
 
 // int4_kernel.cpp: x [M, K] float32 times a packed weight's transpose (groups of 16 rows, blocks of 32 inputs,
 // Q4_BYTES or Q8_BYTES a group and block; the layout is described there): out [M, groups * 16] float32.

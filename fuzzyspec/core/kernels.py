@@ -36,9 +36,9 @@ from ..files import cache_dir
 SOURCES = [Path(__file__).with_name(name) for name in ("ops.cpp", "int4_kernel.cpp", "layer_kernel.cpp")]
 HEADER = Path(__file__).with_name("kernels.h")
 ROWS = 16  # weight rows per packed group of the int4 kernel (what its products return is in whole groups)
-# -fopenmp: at::parallel_for runs on torch's threads only where the extension is built with OpenMP;
-# -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+# -ffp-contract=off: no multiply-adds fused by the compiler, so every tile computes an output alike. (No -fopenmp:
+# the kernels run on torch's threads through its own parallel loop, kernels.h.)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 MIN_TORCH = (2, 10)  # the stable ABI ops.cpp targets (its TORCH_TARGET_VERSION)
 # Wider instructions where the CPU has them (the int4 kernel's #if blocks): VNNI's one-instruction byte
 # multiply-adds, in 256 bits (AVX-VNNI: 8 rows a register) or 512 (AVX-512: a whole group of 16 rows)

@@ -31,8 +31,6 @@
 // batch. The rotary embedding does, element by element, what PyTorch's x cos + rotate_half(x) sin does (a product,
 // a product, a sum), so its results equal eager PyTorch's bit for bit; the norm sums its squares in double precision
 // (8 lanes, then the lanes in order), so its mean is the same on every instruction set.
-#include <ATen/Parallel.h>
-
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -300,7 +298,7 @@ void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, floa
   static thread_local std::vector<float> held_partial;
   int32_t* positions = room(held_positions, static_cast<size_t>(BW * C));
   int64_t* counts = room(held_counts, static_cast<size_t>(BW));
-  at::parallel_for(0, BW, 8, [&](int64_t begin, int64_t end) {
+  fuzzyspec::parallel_for(0, BW, 8, [&](int64_t begin, int64_t end) {
     for (int64_t bw = begin; bw < end; ++bw) counts[bw] = allowed_positions(mp + bw * C, C, positions + bw * C);
   });
   // Tasks in the order row, kv head, span, query: a row's queries see mostly the same positions, so one span's tasks
@@ -320,7 +318,7 @@ void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, floa
   // A span's partial result per query and head: its largest score, its sum of weights, its weighted sum of values.
   const int64_t stride = D + 2;
   float* partial = most > 1 ? room(held_partial, static_cast<size_t>(BW * H * most * stride)) : nullptr;
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  fuzzyspec::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<const T*> seen(SPAN + 8), rows(SPAN);  // the keys and values a task's span holds
     std::vector<float> weight(HEADS * (SPAN + 8));
     std::vector<T> zeros(D, T(0.0f));
@@ -352,7 +350,7 @@ void attend_over(const float* qp, const T* kp, const T* vp, const bool* mp, floa
   if (most == 1) return;
   // Spans combined in their order: with M the largest of their largest scores and w_i = e^(m_i - M),
   // out = (sum_i w_i acc_i) / (sum_i w_i total_i).
-  at::parallel_for(0, BW * H, 16, [&](int64_t begin, int64_t end) {
+  fuzzyspec::parallel_for(0, BW * H, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> scale(most + 8);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t spans = spans_of(counts[bh / H]);
