@@ -315,7 +315,12 @@ def _build_settings(tokenizer: Any, **kwargs: Any) -> dict:
     return settings
 
 
+SPLIT_PROBE = "In 2024,  12 of\n\n3.5 x\t\ty"  # how a tokenizer splits digits and spaces, beyond its vocabulary
+
+
 def _tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of the vocabulary and chat template: the same tokenizer from any folder matches."""
-    content = json.dumps([sorted(tokenizer.get_vocab().items()), getattr(tokenizer, "chat_template", None)])
+    """A hash of the vocabulary, the chat template and how ``SPLIT_PROBE`` encodes: the same tokenizer from any folder
+    matches, and one whose pre-tokenizer changed does not (the embedded target's isolates digits since 2026-11-29)."""
+    content = json.dumps([sorted(tokenizer.get_vocab().items()), getattr(tokenizer, "chat_template", None),
+                          list(tokenizer.encode(SPLIT_PROBE, add_special_tokens=False))])
     return hashlib.sha256(content.encode("utf-8")).hexdigest()[:16]

