@@ -407,15 +407,9 @@ def _write_tokenizer(path: Path, folder: Path) -> None:
 
 
 def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """A GGUF file's tokenizer, converted by transformers. ``AutoTokenizer`` first reads the whole file with the
-    ``gguf`` package to learn the model's config, which picks the tokenizer's class: 9 of its 10.5 s on the
-    embedded model (2026-11-26), the longest part of a first run (and of ``convert_gguf``: 25.5 s, now 17.9). The
-    embedded model's class is known (``TokenizersBackend``, whose files are the same byte for byte), so its
-    tokenizer is built directly (0.5 s)."""
-    if path == embedded_gguf():
-        from transformers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    """A GGUF file's tokenizer, converted by transformers (one ``gguf_tokenizer`` does not convert). ``AutoTokenizer``
+    first reads the whole file with the ``gguf`` package to learn the model's config, which picks the tokenizer's
+    class: 9 of its 10.5 s on the embedded model (2026-11-26), which fuzzyspec now converts itself."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

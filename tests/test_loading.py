@@ -272,6 +272,20 @@ def test_the_embedded_tokenizer_converts_without_transformers_as_llama_cpp_split
 
 
 @pytest.mark.embedded
+def test_a_gguf_tokenizer_that_gguf_tokenizer_does_not_convert_goes_to_transformers(tmp_path, monkeypatch):
+    """Any GGUF tokenizer but a byte-level BPE split as ``gguf_tokenizer.SPLITS`` says goes to transformers'
+    converter, as before 2026-11-29 (here the embedded file, made to look unknown: its digits are not isolated)."""
+    from fuzzyspec import gguf_tokenizer, loading
+
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_tokenizer, "convertible", lambda read: False)
+    tokenizer = loading._gguf_tokenizer(None)
+    assert tokenizer("Give me three tips for writing clear emails.")["input_ids"] == [
+        26533, 549, 1296, 5608, 327, 2385, 2437, 14902, 30]
+    assert tokenizer.convert_ids_to_tokens(tokenizer("\n\n1")["input_ids"]) == ["Ċ", "Ċ", "1"]
+
+
+@pytest.mark.embedded
 def test_a_first_conversion_imports_nothing_of_transformers(tmp_path):
     """On a fresh cache holding only the GGUF, the tokenizer's conversion needs no transformers (its import and
     converter took about 2.2 s of CPU of a first run)."""
