@@ -201,6 +201,17 @@ void weigh_values(const float* p, int64_t pstride, int64_t n, const T* const* ro
       _mm256_storeu_ps(out + h * ostride + d0 + 8 * c, _mm256_div_ps(acc[h][c], _mm256_set1_ps(divisor[h])));
 }
 
+// weigh_values<HG, chunks> for chunks 1 .. CH, chosen at run time: only those a group of HG heads can ask for are
+// compiled (all eight for each group had taken about 1 s of the first build's CPU, with nothing gained).
+template <int HG, int CH, typename T>
+void weigh_chunks(int64_t chunks, const float* weight, int64_t wstride, int64_t n, const T* const* rows, int64_t d0,
+                  const float* divisor, float* out, int64_t ostride) {
+  if (chunks == CH)
+    weigh_values<HG, CH>(weight, wstride, n, rows, d0, divisor, out, ostride);
+  else if constexpr (CH > 1)
+    weigh_chunks<HG, CH - 1>(chunks, weight, wstride, n, rows, d0, divisor, out, ostride);
+}
+
 // Attention of HG consecutive heads' queries q [HG, D] over one span's keys seen[0 .. n) (followed by zero keys to a
 // whole group) and values rows[0 .. n): head h's result, divided by its weights' sum where whole, into out + h
 // ostride; else undivided, with its largest score and its weights' sum at out[-2] and out[-1] (the combining's).
@@ -231,18 +242,9 @@ void attend_span(const float* q, int64_t D, const T* const* seen, const T* const
   // Chunks of 8 dimensions, up to 8 at a time for one head, 4 for more (so 3 heads' sums, their weights and a value
   // fit 16 registers).
   constexpr int CHUNKS = HG == 1 ? 8 : 4;
-  for (int64_t d0 = 0; d0 < D8; d0 += 8 * CHUNKS) {
-    switch (std::min<int64_t>(CHUNKS, (D8 - d0) / 8)) {
-      case 8: weigh_values<HG, 8>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-      case 7: weigh_values<HG, 7>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-      case 6: weigh_values<HG, 6>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-      case 5: weigh_values<HG, 5>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-      case 4: weigh_values<HG, 4>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-      case 3: weigh_values<HG, 3>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-      case 2: weigh_values<HG, 2>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-      case 1: weigh_values<HG, 1>(weight, wstride, n, rows, d0, divisor, out, ostride); break;
-    }
-  }
+  for (int64_t d0 = 0; d0 < D8; d0 += 8 * CHUNKS)
+    weigh_chunks<HG, CHUNKS>(std::min<int64_t>(CHUNKS, (D8 - d0) / 8), weight, wstride, n, rows, d0, divisor, out,
+                             ostride);
   for (int h = 0; h < HG; ++h)
     for (int64_t d = D8; d < D; ++d) {
       float acc = 0.0f;

@@ -27,6 +27,18 @@ def test_it_is_attention_with_grouped_heads_and_any_mask(dim):
     torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [16, 24, 40, 48, 56, 80])
+@pytest.mark.parametrize("heads, kv_heads", [(7, 1), (8, 4)])
+def test_every_head_size_in_whole_chunks_of_8_is_attention(heads, kv_heads, dim):
+    """The values are weighed up to 8 chunks of 8 dimensions at a time for one head, 4 for two or three heads
+    together (``weigh_chunks``): every count of chunks, alone or after whole groups (7 heads of a kv head are taken
+    3, 3 and 1; 2 heads as a pair)."""
+    query, keys, values, mask = random_pass(2, 3, heads, kv_heads, dim, 40, seed=dim)
+    expected = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=mask, scale=0.3,
+                                              enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dim", [12, 64])
 def test_it_is_attention_over_a_cache_with_long_unwritten_runs(dim):
     """A cache's mask, not a random one: runs of allowed positions and runs of unwritten ones (which the kernel
