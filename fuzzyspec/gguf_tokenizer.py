@@ -104,7 +104,11 @@ def settings(gguf: GGUFFile) -> dict:
 def write(gguf: GGUFFile, folder: Path) -> None:
     """The tokenizer folder of a ``convertible`` file."""
     folder.mkdir(parents=True, exist_ok=True)
-    backend(gguf).save(str(folder / "tokenizer.json"))
+    saved = json.loads(backend(gguf).to_str())
+    # Merges as "left right" strings (tokenizers' older form, which it still reads), not [left, right] pairs: read back
+    # in 94 ms against 134 at every load. Unambiguous here: a byte-level token spells a space as "Ġ", never " ".
+    saved["model"]["merges"] = [" ".join(pair) for pair in saved["model"]["merges"]]
+    (folder / "tokenizer.json").write_text(json.dumps(saved, ensure_ascii=False, indent=2), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(settings(gguf), indent=2, sort_keys=True) + "\n",
                                                   encoding="utf-8")
     template = gguf.metadata.get("tokenizer.chat_template")

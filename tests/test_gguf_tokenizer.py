@@ -116,6 +116,7 @@ def test_the_embedded_tokenizer_is_transformers_conversion_but_for_the_digits(tm
     mine, reference = (json.loads((folder / "tokenizer.json").read_text()) for folder in (ours, theirs))
     assert mine["pre_tokenizer"]["pretokenizers"] == [{"type": "Digits", "individual_digits": True},
                                                       reference["pre_tokenizer"]]
+    assert mine["model"].pop("merges") == [" ".join(pair) for pair in reference["model"].pop("merges")]
     assert {key: value for key, value in mine.items() if key != "pre_tokenizer"} == \
         {key: value for key, value in reference.items() if key != "pre_tokenizer"}
     settings = json.loads((theirs / "tokenizer_config.json").read_text())
