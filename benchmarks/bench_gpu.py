@@ -57,7 +57,7 @@ from fuzzyspec.drafters.eagle_head import EagleHead
 from fuzzyspec.drafters.head_step import HeadStep, head_step
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.drafters.registry import DrafterSource
-from fuzzyspec.loading import embedded_folder
+from fuzzyspec.loading import gguf_tokenizer_folder
 
 # label -> (step: "hf", "hf-static", "eager", "compiled", "graphs", "apart", "inductor"; drafter; decoding options);
 # "apart": graphs with q, k, v (gate, up) as separate products, as before ``step.fuse_float_projections``;
@@ -228,7 +228,7 @@ def random_config(vocab_size: int, tiny: bool) -> LlamaConfig:
 def random_pair(device: torch.device, tiny: bool, tokenizer_folder: str | None) -> ModelPair:
     """A random ~1B Llama (tiny: a few layers of width 64), a random 2-layer draft of its vocabulary, and a random
     EAGLE head; the embedded tokenizer (its vocabulary: 49,152 tokens), or the one in ``tokenizer_folder``."""
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or embedded_folder())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or gguf_tokenizer_folder())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = random_config(len(tokenizer), tiny)
     torch.manual_seed(0)

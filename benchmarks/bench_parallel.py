@@ -31,7 +31,7 @@ from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
 from fuzzyspec.drafters.model import ModelDrafter
 from fuzzyspec.eval.bench import hardware
-from fuzzyspec.loading import embedded_folder, load_model
+from fuzzyspec.loading import gguf_tokenizer_folder, load_model
 
 
 def save_random(folder: Path, layers: int, hidden: int, vocab: int, seed: int) -> None:
@@ -40,7 +40,7 @@ def save_random(folder: Path, layers: int, hidden: int, vocab: int, seed: int) -
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     LlamaForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(embedded_folder()).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf_tokenizer_folder()).save_pretrained(folder)
 
 
 def main() -> None:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from .gguf import GGUFFile
 
 ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
 # llama.cpp's pre-tokenizer name -> whether digits are isolated before GPT-2's split
 SPLITS = {"gpt-2": False, "smollm": True}
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types: special tokens, and added tokens matched whole in text
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (3: special; 4: added, matched whole in text)
 SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                "pad_token": "padding_token_id"}
 NO_LIMIT = int(1e30)  # transformers' model_max_length where none is set
@@ -40,11 +42,25 @@ def read(path: str | Path) -> GGUFFile:
 
 def convertible(gguf: GGUFFile) -> bool:
     """Whether ``write`` converts this file's tokenizer: byte-level BPE with merges, a pre-tokenizer of ``SPLITS``, no
-    token added to every text."""
+    token added to every text, its vocabulary and merges as strings (and its token types one a token), and the
+    special tokens it names spelt in the byte alphabet (transformers gives one spelt otherwise a new id)."""
     meta = gguf.metadata
-    return meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") in SPLITS and \
-        isinstance(meta.get("tokenizer.ggml.tokens"), list) and isinstance(meta.get("tokenizer.ggml.merges"), list) \
-        and not meta.get("tokenizer.ggml.add_bos_token") and not meta.get("tokenizer.ggml.add_eos_token")
+    tokens, merges, kinds = (meta.get(f"tokenizer.ggml.{key}") for key in ("tokens", "merges", "token_type"))
+    if not (meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") in SPLITS
+            and not meta.get("tokenizer.ggml.add_bos_token") and not meta.get("tokenizer.ggml.add_eos_token")
+            and isinstance(tokens, list) and all(isinstance(token, str) for token in tokens)
+            and isinstance(merges, list) and all(isinstance(merge, str) for merge in merges)
+            and (kinds is None or isinstance(kinds, (list, np.ndarray)) and len(kinds) == len(tokens))):
+        return False
+    alphabet = set(byte_alphabet().values())
+    return all(set(tokens[index]) <= alphabet for index in named(gguf).values())
+
+
+def named(gguf: GGUFFile) -> dict[str, int]:
+    """The special tokens the file names (``SPECIAL_IDS``) that are in its vocabulary: name -> id."""
+    meta, count = gguf.metadata, len(gguf.metadata["tokenizer.ggml.tokens"])
+    return {name: meta[f"tokenizer.ggml.{key}"] for name, key in SPECIAL_IDS.items()
+            if isinstance(meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= meta[f"tokenizer.ggml.{key}"] < count}
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -66,7 +82,7 @@ def backend(gguf: GGUFFile):
 
     meta = gguf.metadata
     tokens, kinds = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type")
-    kinds = [1] * len(tokens) if kinds is None or isinstance(kinds, int) else [int(kind) for kind in kinds]
+    kinds = [NORMAL] * len(tokens) if kinds is None else [int(kind) for kind in kinds]
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
     # a token holding characters outside the byte alphabet is spelt byte by byte, as the merges spell it
@@ -84,10 +100,13 @@ def backend(gguf: GGUFFile):
         if SPLITS[meta["tokenizer.ggml.pre"]] else byte_level
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
-    # Control tokens are special (kept whole, skipped when decoding asks); one spelt outside the byte alphabet is a
-    # mislabelled byte token, left to the merges. User-defined tokens are matched whole but not special.
-    tokenizer.add_special_tokens([AddedToken(token, normalized=False, special=True)
-                                  for token, kind in zip(tokens, kinds) if kind == CONTROL and set(token) <= alphabet])
+    # Control tokens and the tokens the file names (BOS, EOS, ...) are special: kept whole, skipped when decoding asks.
+    # A control token spelt outside the byte alphabet is a mislabelled byte token, left to the merges. User-defined
+    # tokens are matched whole but not special.
+    special = {index for index, (token, kind) in enumerate(zip(tokens, kinds)) if kind == CONTROL and
+               set(token) <= alphabet} | set(named(gguf).values())
+    tokenizer.add_special_tokens([AddedToken(tokens[index], normalized=False, special=True)
+                                  for index in sorted(special)])
     tokenizer.add_tokens([AddedToken(token, normalized=False, special=False)
                           for token, kind in zip(tokens, kinds) if kind == USER_DEFINED and token in vocab])
     return tokenizer
@@ -95,10 +114,9 @@ def backend(gguf: GGUFFile):
 
 def settings(gguf: GGUFFile) -> dict:
     """tokenizer_config.json's settings: the special tokens the file names, as transformers saves them."""
-    meta, tokens = gguf.metadata, gguf.metadata["tokenizer.ggml.tokens"]
-    named = {name: tokens[meta[f"tokenizer.ggml.{key}"]] for name, key in SPECIAL_IDS.items()
-             if isinstance(meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= meta[f"tokenizer.ggml.{key}"] < len(tokens)}
-    return {"backend": "tokenizers", **named, "model_max_length": NO_LIMIT, "tokenizer_class": "TokenizersBackend"}
+    tokens = gguf.metadata["tokenizer.ggml.tokens"]
+    names = {name: tokens[index] for name, index in named(gguf).items()}
+    return {"backend": "tokenizers", **names, "model_max_length": NO_LIMIT, "tokenizer_class": "TokenizersBackend"}
 
 
 def write(gguf: GGUFFile, folder: Path) -> None:

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -141,9 +142,13 @@ def convert_gguf(gguf: Path, folder: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
-    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
-    plain.save_pretrained(partial)
-    _write_tokenizer(gguf, partial)
+    partial = folder.with_name(folder.name + f".partial-{os.getpid()}-{threading.get_ident()}")
+    try:
+        plain.save_pretrained(partial)
+        _write_tokenizer(gguf, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         partial.rename(folder)
@@ -350,6 +355,13 @@ def tokenizer_folder(path: Path) -> Path:
     return cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}-{TOKENIZER_VERSION}"
 
 
+def gguf_tokenizer_folder(name: str | None = None) -> Path:
+    """The folder of a GGUF target's converted tokenizer (None: the embedded target's), converted where it is not yet:
+    what a transformers tokenizer of it is read from."""
+    _gguf_tokenizer(name)
+    return tokenizer_folder(gguf_source(name))
+
+
 def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
     """A GGUF target's tokenizer, converted from the file once (``_write_tokenizer``) and kept as a folder in the
     fuzzyspec cache (``tokenizer_folder``), the same for every form of its weights."""
@@ -366,8 +378,12 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
                 log.warning("the tokenizer kept in %s cannot be read (%s): converting the GGUF's again", folder,
                             error)
                 damaged = True
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        _write_tokenizer(path, partial)
+        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{threading.get_ident()}")
+        try:
+            _write_tokenizer(path, partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         if damaged:
             shutil.rmtree(folder, ignore_errors=True)
         try:
@@ -400,10 +416,13 @@ def _write_tokenizer(path: Path, folder: Path) -> None:
     from . import gguf_tokenizer
 
     read = gguf_tokenizer.read(path)
-    if gguf_tokenizer.convertible(read):
-        gguf_tokenizer.write(read, folder)
-    else:
+    if not gguf_tokenizer.convertible(read):
         _converted_tokenizer(path).save_pretrained(folder)
+        return
+    try:
+        gguf_tokenizer.write(read, folder)
+    except (TypeError, AttributeError) as error:  # metadata of unexpected types: one line, as for any other damage
+        raise ValueError(f"{path}: its tokenizer's metadata is malformed ({error})") from error
 
 
 def _converted_tokenizer(path: Path) -> PreTrainedTokenizerBase:

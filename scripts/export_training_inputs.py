@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from fuzzyspec.loading import embedded_folder
+from fuzzyspec.loading import gguf_tokenizer_folder
 from fuzzyspec.train.selfdistill import training_prompts
 from fuzzyspec.train.loop import load_data
 
@@ -23,7 +23,7 @@ for split, limit in (("train", None), ("held_out", 400)):
     with open(out / f"prompts-{split}.jsonl", "w") as file:
         for prompt in training_prompts("sharegpt", limit, split):
             file.write(json.dumps({"prompt": prompt}) + "\n")
-tokenizer = AutoTokenizer.from_pretrained(embedded_folder())
+tokenizer = AutoTokenizer.from_pretrained(gguf_tokenizer_folder())
 for split in ("train", "held_out"):
     load_data("sharegpt", tokenizer, split, 512).save(out / f"sharegpt-{split}-512.npz")
 

@@ -109,9 +109,8 @@ def save_tiny(folder: Path, tokenizer, layers: int = 1, seed: int = 0, vocab_siz
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from fuzzyspec.loading import _gguf_tokenizer, embedded_gguf, tokenizer_folder
-    _gguf_tokenizer(None)  # (converted where it is not yet)
-    return AutoTokenizer.from_pretrained(tokenizer_folder(embedded_gguf()))
+    from fuzzyspec.loading import gguf_tokenizer_folder
+    return AutoTokenizer.from_pretrained(gguf_tokenizer_folder())
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def test_smollm_isolates_digits_before_the_merges_and_gpt2_does_not():
     """llama.cpp's ``smollm`` splits every digit off first, as SmolLM2's own tokenizer does: " 12" is a space and two
     digits there, where GPT-2's split would merge it whole."""
     assert pieces(tiny_file("smollm"), "ab 12\n\n1") == ["ab", "Ġ", "1", "2", "ĊĊ", "1"]
-    assert pieces(tiny_file("gpt-2"), "ab 12\n\n1") == ["ab", "Ġ1", "2", "Ċ", "Ċ", "1"]  # (GPT-2: "\n" then "\n1")
+    assert pieces(tiny_file("gpt-2"), "ab 12\n\n1") == ["ab", "Ġ1", "2", "Ċ", "Ċ", "1"]  # (GPT-2: "\n", "\n", "1")
 
 
 def test_control_tokens_are_special_and_user_defined_ones_matched_whole():
@@ -51,6 +51,20 @@ def test_control_tokens_are_special_and_user_defined_ones_matched_whole():
     assert encoded.tokens == ["ab", "<|im_end|>", "Ġ", "<think>"]
     assert tokenizer.decode(encoded.ids) == "ab <think>"  # (special tokens skipped, the user-defined kept)
     assert tokenizer.decode(encoded.ids, skip_special_tokens=False) == "ab<|im_end|> <think>"
+
+
+@pytest.mark.parametrize("types", ["eos typed normal", "no token types"])
+def test_the_tokens_the_file_names_are_special_whatever_their_type(types):
+    """EOS (and BOS, UNK, padding) named by the file are special, as transformers' converter makes them, though the
+    file types them as normal tokens or gives no types at all."""
+    file = tiny_file()
+    if types == "eos typed normal":
+        file.metadata["tokenizer.ggml.token_type"][1] = NORMAL
+    else:
+        del file.metadata["tokenizer.ggml.token_type"]
+    tokenizer = gguf_tokenizer.backend(file)
+    assert tokenizer.encode("ab<|im_end|>").tokens == ["ab", "<|im_end|>"]
+    assert tokenizer.decode(tokenizer.encode("ab<|im_end|>").ids) == "ab"
 
 
 def test_a_token_outside_the_byte_alphabet_is_spelt_byte_by_byte():
@@ -74,6 +88,13 @@ def test_only_byte_level_files_with_a_known_split_and_nothing_added_are_converte
     assert not gguf_tokenizer.convertible(tiny_file(**{"tokenizer.ggml.add_bos_token": True}))
     assert gguf_tokenizer.convertible(tiny_file(**{"tokenizer.ggml.add_bos_token": False}))
     assert not gguf_tokenizer.convertible(tiny_file(**{"tokenizer.ggml.merges": 4}))  # (skipped by the reader)
+    # metadata of other types than the format's, or a named special token transformers would add anew
+    assert not gguf_tokenizer.convertible(tiny_file(**{"tokenizer.ggml.merges": [1, 2]}))
+    assert not gguf_tokenizer.convertible(tiny_file(**{"tokenizer.ggml.token_type": 0.5}))
+    assert not gguf_tokenizer.convertible(tiny_file(**{"tokenizer.ggml.token_type": [1, 3]}))
+    outside = tiny_file()
+    outside.metadata["tokenizer.ggml.tokens"][1] = "<｜end｜>"
+    assert not gguf_tokenizer.convertible(outside)
 
 
 def test_merges_that_do_not_fit_the_vocabulary_are_a_value_error():

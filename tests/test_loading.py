@@ -286,6 +286,23 @@ def test_a_gguf_tokenizer_that_gguf_tokenizer_does_not_convert_goes_to_transform
 
 
 @pytest.mark.embedded
+def test_a_conversion_that_fails_is_one_line_and_leaves_no_partial_folder(tmp_path, monkeypatch):
+    from fuzzyspec import gguf_tokenizer, loading
+
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path / "cache"))
+
+    def half_written(read, folder):
+        folder.mkdir(parents=True)
+        (folder / "tokenizer.json").write_text("{")
+        raise TypeError("'float' object is not iterable")
+
+    monkeypatch.setattr(gguf_tokenizer, "write", half_written)
+    with pytest.raises(LoadError, match="malformed"):
+        loading._gguf_tokenizer(None)
+    assert list((tmp_path / "cache" / "tokenizers").iterdir()) == []
+
+
+@pytest.mark.embedded
 def test_a_first_conversion_imports_nothing_of_transformers(tmp_path):
     """On a fresh cache holding only the GGUF, the tokenizer's conversion needs no transformers (its import and
     converter took about 2.2 s of CPU of a first run)."""
