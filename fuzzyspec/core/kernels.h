@@ -5,7 +5,9 @@
 // through its stable C ABI (below), where ATen/Parallel.h cost each file about 0.8 s.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <exception>
 #include <stdexcept>
 
 // torch's stable C ABI (torch 2.10 or later; torch/csrc/stable/c/shim.h): at::parallel_for on torch's threads,
@@ -16,11 +18,25 @@ extern "C" int32_t torch_parallel_for(int64_t begin, int64_t end, int64_t grain_
 namespace fuzzyspec {
 
 // body(begin, end) over [begin, end) split among torch's threads, ranges of at least grain (as at::parallel_for).
+// The first exception a range throws is thrown again here, as it was (through the C ABI only a code would come back).
 template <class Body>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const Body& body) {
-  auto call = [](int64_t from, int64_t to, void* context) { (*static_cast<const Body*>(context))(from, to); };
-  if (torch_parallel_for(begin, end, grain, call, const_cast<Body*>(&body)) != 0)
-    throw std::runtime_error("fuzzyspec: a CPU kernel failed on one of torch's threads");
+  struct Run {
+    const Body& body;
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+  } run{body};
+  auto call = [](int64_t from, int64_t to, void* context) {
+    Run& run = *static_cast<Run*>(context);
+    try {
+      run.body(from, to);
+    } catch (...) {
+      if (!run.failed.exchange(true)) run.error = std::current_exception();
+    }
+  };
+  const int32_t code = torch_parallel_for(begin, end, grain, call, &run);
+  if (run.error) std::rethrow_exception(run.error);
+  if (code != 0) throw std::runtime_error("fuzzyspec: a CPU kernel failed on one of torch's threads");
 }
 
 // int4_kernel.cpp: x [M, K] float32 times a packed weight's transpose (groups of 16 rows, blocks of 32 inputs,
