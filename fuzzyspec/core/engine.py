@@ -61,6 +61,9 @@ PLAN_EVERY = 4
 # and its passes' prices move slowly, so such plans seldom change; but each is host time, and a held-back row runs
 # ahead as AR's do on a GPU, where the host's time per step sets the pace: the default job ran 0.79x AR on an H100,
 # drafting nothing (2026-11-28), and on the CPU a tiny target's held-back steps took 1.17x AR's, plans a half of that.
+# A plan before any pass is priced holds every row back too (every draft's rate is then infinite, and ties go to the
+# smaller draft), so the first steps measure AR's pass; it is not doubled: a fresh profile's first answer (a machine's
+# first run) had drafted nothing for 8-24 steps, or at all in a 12-token one.
 HELD_PLAN_EVERY = 16
 # At a profile's REFRESH_AT-th plan in a process, and every REFRESH-th after, the rows planned to draft more than one
 # token draft one (a 1-token chain), and that step's pass and drafting are measured afresh (``Profile.remeasure``).
@@ -336,7 +339,9 @@ class Engine:
         clock = time.perf_counter()
         if self._plan_in <= 0:  # (while a step runs ahead, rows' lengths lag its token: only caps read them)
             self._plan()
-            held = not any(self._drafts(row) for row in self.slots if row is not None and not row.done)
+            # (held back before a pass is measured, only because nothing is priced yet: planned again soon)
+            held = not any(self._drafts(row) for row in self.slots if row is not None and not row.done) and \
+                self.step_fn.profile.target_ms(1) > 0
             self._plan_every = min(2 * self._plan_every, HELD_PLAN_EVERY) if held else PLAN_EVERY
             self._plan_in = self._plan_every
         self._plan_in -= 1
