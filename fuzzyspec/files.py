@@ -7,7 +7,9 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import socket
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -34,6 +36,25 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
             os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
+
+
+def write_folder(folder: Path, write: Callable[[Path], object], replace: bool = False) -> None:
+    """``write_whole`` for a folder: ``write`` fills a temporary folder beside ``folder``, which is then renamed into
+    place, so a reader never sees half of one. The temporary folder is this process's and thread's own on any machine
+    sharing the cache, and is removed if ``write`` fails. Where another process made ``folder`` first, its copy
+    stays; ``replace`` removes an existing ``folder`` first (one found damaged)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    temp = folder.with_name(f".{folder.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.partial")
+    try:
+        write(temp)
+        if replace:
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            temp.rename(folder)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @functools.cache

@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zipfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .core import kernels
-from .files import cache_dir, made_once, write_whole
+from .files import cache_dir, made_once, write_folder, write_whole
 
 if TYPE_CHECKING:  # (imported where used: transformers takes about 3 s, and ``int4_likely`` is asked before)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -142,18 +141,12 @@ def convert_gguf(gguf: Path, folder: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
-    partial = folder.with_name(folder.name + f".partial-{os.getpid()}-{threading.get_ident()}")
-    try:
+
+    def save(partial: Path) -> None:
         plain.save_pretrained(partial)
         _write_tokenizer(gguf, partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        partial.rename(folder)
-    except OSError:  # another process finished first
-        shutil.rmtree(partial, ignore_errors=True)
+
+    write_folder(folder, save)
     print(f"fuzzyspec: converted in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
 
 
@@ -378,18 +371,7 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
                 log.warning("the tokenizer kept in %s cannot be read (%s): converting the GGUF's again", folder,
                             error)
                 damaged = True
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{threading.get_ident()}")
-        try:
-            _write_tokenizer(path, partial)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        if damaged:
-            shutil.rmtree(folder, ignore_errors=True)
-        try:
-            partial.rename(folder)
-        except OSError:  # another process finished first
-            shutil.rmtree(partial, ignore_errors=True)
+        write_folder(folder, lambda partial: _write_tokenizer(path, partial), replace=damaged)
         return _saved_tokenizer(folder)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         raise _unloadable(name, error) from error

@@ -84,3 +84,27 @@ def test_a_cache_that_cannot_be_written_gives_what_was_made(tmp_path, monkeypatc
     assert isinstance(files.made_once("thing", [source], made_counting(made)), torch.nn.Linear)
     assert isinstance(files.made_once("thing", [source], made_counting(made)), torch.nn.Linear)
     assert len(made) == 2
+
+
+def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
+    folder = tmp_path / "kept" / "tokenizer"
+
+    def fill(partial):
+        partial.mkdir()
+        (partial / "a.json").write_text("new")
+
+    def fail(partial):
+        partial.mkdir()
+        (partial / "a.json").write_text("half")
+        raise ValueError("cut short")
+
+    with pytest.raises(ValueError):
+        files.write_folder(folder, fail)
+    assert list((tmp_path / "kept").iterdir()) == []  # nothing half-written left behind
+    files.write_folder(folder, fill)
+    assert (folder / "a.json").read_text() == "new" and list((tmp_path / "kept").iterdir()) == [folder]
+    (folder / "a.json").write_text("theirs")  # (made first by another process: kept)
+    files.write_folder(folder, fill)
+    assert (folder / "a.json").read_text() == "theirs" and list((tmp_path / "kept").iterdir()) == [folder]
+    files.write_folder(folder, fill, replace=True)  # (found damaged: replaced)
+    assert (folder / "a.json").read_text() == "new" and list((tmp_path / "kept").iterdir()) == [folder]
