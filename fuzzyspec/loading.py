@@ -372,9 +372,19 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
                             error)
                 damaged = True
         write_folder(folder, lambda partial: _write_tokenizer(path, partial), replace=damaged)
+        _drop_older_tokenizers(folder)
         return _saved_tokenizer(folder)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         raise _unloadable(name, error) from error
+
+
+def _drop_older_tokenizers(folder: Path) -> None:
+    """Remove the folders of the same file's tokenizer converted by an older ``TOKENIZER_VERSION`` (the first had no
+    version in its name): nothing reads them again, and the embedded model's took 3.5 MB."""
+    base = folder.name.rsplit("-", 1)[0]
+    older = [folder.parent / base, *(folder.parent / f"{base}-{version}" for version in range(1, TOKENIZER_VERSION))]
+    for old in older:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:

@@ -102,7 +102,10 @@ def _write(saved: dict) -> None:
     mine, since = f"step={_step_code()}", time.time() - STALE_S
     kept = {key: entry for key, entry in saved.items()
             if mine in key.split("|") or (isinstance(entry, dict) and entry.get("written", 0.0) > since)}
-    write_whole(profile_path(), lambda partial: partial.write_text(json.dumps(kept, indent=1) + "\n"))
+    # (on one line: an indented dump goes through json's pure-Python encoder, 4.6 ms against 1.1 for a machine's
+    # 36 profiles, at every answer)
+    text = json.dumps(kept, separators=(",", ":")) + "\n"
+    write_whole(profile_path(), lambda partial: partial.write_text(text))
 
 
 def load(key: str) -> Profile:

@@ -239,6 +239,26 @@ def test_a_damaged_kept_tokenizer_is_converted_again_from_the_gguf(tmp_path, mon
 
 
 @pytest.mark.embedded
+def test_a_new_conversion_removes_the_same_files_older_tokenizer_folders(tmp_path, monkeypatch):
+    """The tokenizer folders an older ``TOKENIZER_VERSION`` made of the same file go when it is converted anew; another
+    file's folders, and the current version's, stay."""
+    from fuzzyspec import loading
+
+    monkeypatch.setenv("FUZZYSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "TOKENIZER_VERSION", 3)
+    current = loading.tokenizer_folder(loading.embedded_gguf())
+    base = current.name.rsplit("-", 1)[0]
+    older = [current.parent / base, current.parent / f"{base}-1", current.parent / f"{base}-2"]
+    others = [current.parent / "Other.Q4_0-1234", current.parent / "Other.Q4_0-1234-2"]
+    for folder in (*older, *others):
+        folder.mkdir(parents=True)
+        (folder / "tokenizer.json").write_text("{}")
+    loading._gguf_tokenizer(None)
+    assert (current / "tokenizer.json").is_file()
+    assert not any(folder.exists() for folder in older) and all(folder.is_dir() for folder in others)
+
+
+@pytest.mark.embedded
 def test_the_embedded_tokenizer_converts_without_transformers_as_llama_cpp_splits(tmp_path, monkeypatch):
     """A first run converts the embedded GGUF's tokenizer itself (``gguf_tokenizer``), never through transformers'
     converter (``loading._converted_tokenizer``), and splits digits off as the model's own tokenizer did. The ids:
