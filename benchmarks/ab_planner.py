@@ -27,7 +27,7 @@ target's cache by two indexing operations a layer's tensor, as before ``layer_ke
 2026-11-27), ``perop`` (a 4-bit target's eager layers op by op, as before their one call each,
 ``step.whole_layer``, 2026-11-29), ``head2``,
 ``head3`` (the default job drafting with the EAGLE head in ``--head DIR;DIR3``, loaded as the shipped one is, each a
-job of its own: two heads compared alike);
+job of its own: two heads compared alike), ``lookup`` (prompt lookup alone, ``--draft lookup``: what the head adds);
 ``held`` (every row held back from drafting by the plan; copies still proposed),
 ``doubtN`` (a row stops drafting only where drafting loses with its acceptances raised by N/10 standard errors,
 ``cost.DOUBT``; ``doubt0``: as before 2026-11-27, late evening, when it stopped wherever its estimate said so),
@@ -84,7 +84,7 @@ from fuzzyspec.drafters.eagle import EagleDrafter, head_logits  # noqa: E402
 from fuzzyspec.drafters.lookup import CopyFirst  # noqa: E402
 from fuzzyspec.drafters import head_step as head_step_module  # noqa: E402
 from fuzzyspec.drafters.head_step import HeadStep, ModuleStep, head_step  # noqa: E402
-from fuzzyspec.drafters.registry import DrafterSource  # noqa: E402
+from fuzzyspec.drafters.registry import DrafterSource, load_drafter  # noqa: E402
 from fuzzyspec.loading import cpu_isa  # noqa: E402
 
 SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "DOUBT", "PRIOR_ACCEPTANCE", "PRIOR_WIDER",
@@ -111,7 +111,7 @@ DIRECT: dict = {}  # each EAGLE head step's kept graphs (``core.kept``; ``dynamo
 HEADS: list[torch.nn.Module] = []  # the EAGLE heads the variants draft with (``nowindow`` changes their window)
 # parts that build a job of their own
 OWN_JOB = {"q8rows", "q4rows", "hfhead", "q4head", "pywrapper", "nocopy", "f32cache", "perop", "head2", "head3",
-           "cap256", "dynamo"}
+           "cap256", "dynamo", "lookup"}
 COMMON = {"max_new_tokens": 128, "eos_token_ids": ()}
 
 
@@ -313,6 +313,10 @@ def main() -> None:
             if through_dynamo is None:
                 through_dynamo = ThroughDynamo(pair.target, compile=step.compile)
             variant_step = through_dynamo
+        if "lookup" in parts:  # prompt lookup's drafts alone, planned and judged as the default job's are
+            jobs[variant] = ModelPair(pair.target, pair.tokenizer, load_drafter("lookup", pair.target, pair.tokenizer),
+                                      variant_step, None)
+            continue
         variant_head = four_bit(head) if "q4head" in parts else head
         chosen = [n for n, part in enumerate(("head2", "head3")) if part in parts]
         if chosen:  # another head folder, loaded in the target's form as the shipped one is
