@@ -92,3 +92,18 @@ def test_a_config_json_transformers_wrote_reads_into_ours(tmp_path):
     scaled = LlamaLikeConfig(**fields, rope_scaling={"type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match="rope type 'linear' is not implemented"):
         Rotary(scaled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_angles_are_transformers_bit_for_bit(dtype):
+    """Our rotary embedding gives transformers' cos and sin exactly, at small and large positions, in the input's
+    dtype (the logits tests above cover it only through a whole model, at small positions, in float32)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from fuzzyspec.core.llama import Rotary
+
+    theirs, ours = LlamaRotaryEmbedding(LlamaConfig(**FIELDS)), Rotary(LlamaLikeConfig(**FIELDS))
+    x = torch.zeros(2, 5, FIELDS["hidden_size"], dtype=dtype)
+    for positions in (torch.arange(10).reshape(2, 5), torch.randint(0, 200_000, (2, 5))):
+        expected, got = theirs(x, positions), ours(x, positions)
+        assert all(a.dtype == b.dtype == dtype and torch.equal(a, b) for a, b in zip(got, expected))
