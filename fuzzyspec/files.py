@@ -51,8 +51,9 @@ def write_folder(folder: Path, write: Callable[[Path], object], replace: bool = 
             shutil.rmtree(folder, ignore_errors=True)
         try:
             temp.rename(folder)
-        except OSError:  # another process finished first
-            pass
+        except OSError:
+            if not folder.is_dir():  # (where it is, another process finished first; else the error is the caller's)
+                raise
     finally:
         shutil.rmtree(temp, ignore_errors=True)
 

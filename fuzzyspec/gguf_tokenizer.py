@@ -102,13 +102,14 @@ def backend(gguf: GGUFFile):
     tokenizer.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
     # Control tokens and the tokens the file names (BOS, EOS, ...) are special: kept whole, skipped when decoding asks.
     # A control token spelt outside the byte alphabet is a mislabelled byte token, left to the merges. User-defined
-    # tokens are matched whole but not special.
+    # tokens are matched whole but not special (but for a named one: adding a token again replaces it, special or not).
     special = {index for index, (token, kind) in enumerate(zip(tokens, kinds)) if kind == CONTROL and
                set(token) <= alphabet} | set(named(gguf).values())
     tokenizer.add_special_tokens([AddedToken(tokens[index], normalized=False, special=True)
                                   for index in sorted(special)])
-    tokenizer.add_tokens([AddedToken(token, normalized=False, special=False)
-                          for token, kind in zip(tokens, kinds) if kind == USER_DEFINED and token in vocab])
+    tokenizer.add_tokens([AddedToken(token, normalized=False, special=False) for index, (token, kind)
+                          in enumerate(zip(tokens, kinds)) if kind == USER_DEFINED and token in vocab
+                          and index not in special])
     return tokenizer
 
 
@@ -126,7 +127,7 @@ def write(gguf: GGUFFile, folder: Path) -> None:
     # Merges as "left right" strings (tokenizers' older form, which it still reads), not [left, right] pairs: the
     # embedded tokenizer read back in 107 ms against 132 (medians), at every load. Unambiguous here: a byte-level token
     # spells a space as "Ġ", never " ".
-    saved["model"]["merges"] = [" ".join(pair) for pair in saved["model"]["merges"]]
+    saved["model"]["merges"] = [pair if isinstance(pair, str) else " ".join(pair) for pair in saved["model"]["merges"]]
     (folder / "tokenizer.json").write_text(json.dumps(saved, ensure_ascii=False, indent=2), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(settings(gguf), indent=2, sort_keys=True) + "\n",
                                                   encoding="utf-8")

@@ -363,7 +363,7 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
         raise LoadError(f"model file not found: {name}")
     try:
         folder = tokenizer_folder(path)
-        damaged = False
+        damaged = folder.exists()  # (a folder with neither file, as no conversion leaves one, is replaced too)
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             try:
                 return _saved_tokenizer(folder)

@@ -108,3 +108,8 @@ def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
     assert (folder / "a.json").read_text() == "theirs" and list((tmp_path / "kept").iterdir()) == [folder]
     files.write_folder(folder, fill, replace=True)  # (found damaged: replaced)
     assert (folder / "a.json").read_text() == "new" and list((tmp_path / "kept").iterdir()) == [folder]
+    in_the_way = tmp_path / "kept" / "a file"
+    in_the_way.write_text("not a folder")
+    with pytest.raises(OSError):  # (a rename that fails with no folder there is not another process's doing)
+        files.write_folder(in_the_way, fill)
+    assert sorted((tmp_path / "kept").iterdir()) == sorted([folder, in_the_way])

@@ -53,18 +53,20 @@ def test_control_tokens_are_special_and_user_defined_ones_matched_whole():
     assert tokenizer.decode(encoded.ids, skip_special_tokens=False) == "ab<|im_end|> <think>"
 
 
-@pytest.mark.parametrize("types", ["eos typed normal", "no token types"])
+@pytest.mark.parametrize("types", ["eos typed normal", "eos typed user-defined", "no token types"])
 def test_the_tokens_the_file_names_are_special_whatever_their_type(types):
     """EOS (and BOS, UNK, padding) named by the file are special, as transformers' converter makes them, though the
-    file types them as normal tokens or gives no types at all."""
+    file types them as normal or user-defined tokens or gives no types at all."""
     file = tiny_file()
-    if types == "eos typed normal":
-        file.metadata["tokenizer.ggml.token_type"][1] = NORMAL
+    if types != "no token types":
+        file.metadata["tokenizer.ggml.token_type"][1] = NORMAL if types == "eos typed normal" else USER
     else:
         del file.metadata["tokenizer.ggml.token_type"]
     tokenizer = gguf_tokenizer.backend(file)
     assert tokenizer.encode("ab<|im_end|>").tokens == ["ab", "<|im_end|>"]
     assert tokenizer.decode(tokenizer.encode("ab<|im_end|>").ids) == "ab"
+    saved = json.loads(tokenizer.to_str())["added_tokens"]  # (as written to tokenizer.json, and read back)
+    assert next(token for token in saved if token["content"] == "<|im_end|>")["special"]
 
 
 def test_a_token_outside_the_byte_alphabet_is_spelt_byte_by_byte():

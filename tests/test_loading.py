@@ -236,6 +236,11 @@ def test_a_damaged_kept_tokenizer_is_converted_again_from_the_gguf(tmp_path, mon
     assert "cannot be read" in caplog.text and "converting the GGUF's again" in caplog.text
     assert json.loads(kept.read_text()) == json.loads(whole)
     assert again.encode("Name three rivers.") == first.encode("Name three rivers.")
+    for saved in kept.parent.iterdir():  # a folder holding neither file (no conversion leaves one): converted again
+        saved.unlink()
+    (kept.parent / "stray.txt").write_text("not a tokenizer")
+    assert _gguf_tokenizer(None).encode("Name three rivers.") == first.encode("Name three rivers.")
+    assert json.loads(kept.read_text()) == json.loads(whole)
 
 
 @pytest.mark.embedded

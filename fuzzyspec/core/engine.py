@@ -338,10 +338,9 @@ class Engine:
         """One draft-and-verify round for every row; returns the rows that finished (they leave the batch)."""
         clock = time.perf_counter()
         if self._plan_in <= 0:  # (while a step runs ahead, rows' lengths lag its token: only caps read them)
-            self._plan()
+            priced = self._plan()
             # (held back before a pass is measured, only because nothing is priced yet: planned again soon)
-            held = not any(self._drafts(row) for row in self.slots if row is not None and not row.done) and \
-                self.step_fn.profile.target_ms(1) > 0
+            held = priced and not any(self._drafts(row) for row in self.slots if row is not None and not row.done)
             self._plan_every = min(2 * self._plan_every, HELD_PLAN_EVERY) if held else PLAN_EVERY
             self._plan_in = self._plan_every
         self._plan_in -= 1
@@ -519,16 +518,19 @@ class Engine:
             share = proposal_ms.get(b, 0.0) / spent if spent > 0 else 1 / len(proposals)
             profile.observe_draft(key, size, extra * share)
 
-    def _plan(self) -> None:
+    def _plan(self) -> bool:
         """Choose the draft depth and breadth of every row under the cost schedule (``cost.plan``) for the next
         ``PLAN_EVERY`` steps: from the measured costs of this target and drafter, and each row's running
-        acceptance."""
+        acceptance. Returns whether this batch's AR pass is priced yet, at its rows and context: before it is, every
+        draft's rate is infinite, and a plan holding every row back says nothing of what drafting pays."""
+        # (what a pass attends over; a batch's passes, and a long context's, are priced apart from one short row's)
+        context = max((row.sequence.shape[1] for row in self.slots if row is not None), default=0)
+        priced = self.step_fn.profile.target_ms(*self.step_fn.shape(1, len(self.slots)), context) > 0
         planned = [(b, row) for b, row in enumerate(self.slots) if row is not None and row.drafter is not None
                    and row.config.gamma_schedule == "cost" and not row.config.draft_only and row.config.method != "ar"]
         if not planned:
-            return
+            return priced
         options = [Option.of(row.drafter.name, row.config, max(row.remaining - 1, 0)) for _, row in planned]
-        context = max(row.sequence.shape[1] for row in self.slots if row is not None)  # (what a pass attends over)
         drafts = plan(options, [row.acceptance for _, row in planned], self.step_fn.profile, self.step_fn.shape,
                       len(self.slots) - len(planned), context=context)
         copies = [copy_length(row.copies, self.step_fn.profile, min(row.config.gamma, row.remaining - 1),
@@ -542,6 +544,7 @@ class Engine:
             drafts, copies = agree((drafts, copies))
         for (_, row), (size, breadth), copy in zip(planned, drafts, copies):
             row.size, row.breadth, row.copy = size, breadth, copy
+        return priced
 
     def _refresh(self, rows: list[Row], drafts: list[tuple[int, int]], context: int) -> list[tuple[int, int]]:
         """``drafts`` (each row's (depth, breadth)) with every draft of more than one token made a 1-token chain,

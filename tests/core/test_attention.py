@@ -27,7 +27,7 @@ def test_it_is_attention_with_grouped_heads_and_any_mask(dim):
     torch.testing.assert_close(attend(query, keys, values, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dim", [16, 24, 40, 48, 56, 80])
+@pytest.mark.parametrize("dim", [8, 16, 24, 32, 40, 48, 56, 80])
 @pytest.mark.parametrize("heads, kv_heads", [(7, 1), (8, 4)])
 def test_every_head_size_in_whole_chunks_of_8_is_attention(heads, kv_heads, dim):
     """The values are weighed up to 8 chunks of 8 dimensions at a time for one head, 4 for two or three heads

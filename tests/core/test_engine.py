@@ -10,7 +10,7 @@ from conftest import noisy_copy, tiny_llama
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core import engine as engine_module
 from fuzzyspec.core.cost import MEMORY, Profile, draft_key
-from fuzzyspec.core.engine import Engine, decode
+from fuzzyspec.core.engine import Engine, Job, decode
 from fuzzyspec.core.divergences import divergence
 from fuzzyspec.core.draft import Budget
 from fuzzyspec.drafters.lookup import CopyFirst
@@ -364,7 +364,7 @@ def test_plans_come_less_often_while_every_row_is_held_back(target, draft, monke
     monkeypatch.setattr(engine_module, "plan", lambda options, *_, **__: [(next(sizes), 1)] * len(options))
     steps, planned_at = [0], []
     plan = Engine._plan
-    monkeypatch.setattr(Engine, "_plan", lambda self: (planned_at.append(steps[0]), plan(self)))
+    monkeypatch.setattr(Engine, "_plan", lambda self: (planned_at.append(steps[0]), plan(self))[1])
     engine = Engine(TargetStep(target), V)
     row = engine.add(torch.tensor([PROMPTS[0]]), DecodeConfig(method="sd", gamma=4, gamma_schedule="cost",
                                                               max_new_tokens=120), ModelDrafter(draft, V))
@@ -374,3 +374,23 @@ def test_plans_come_less_often_while_every_row_is_held_back(target, draft, monke
     gaps = [later - earlier for earlier, later in zip(planned_at, planned_at[1:])]
     assert gaps[:7] == [4, 8, 16, 16, 16, 4, 4] and row.stats.proposed > 0
     assert row.sequence[0, len(PROMPTS[0]):].tolist() == hf_greedy(target, PROMPTS[0], 120)
+
+
+def test_a_batch_held_back_backs_off_once_its_own_passes_are_priced(target, draft, monkeypatch):
+    """A batch's passes are priced apart from one row's (``Profile.batches``), so whether anything is priced yet is
+    asked at the batch's rows: two rows held back at every plan back off as one row does, though no one-row pass is
+    ever priced (asked of one row, nothing would ever look priced, and plans would come every ``PLAN_EVERY`` steps for
+    good)."""
+    monkeypatch.setattr(engine_module, "plan", lambda options, *_, **__: [(0, 1)] * len(options))
+    steps, planned_at = [0], []
+    plan = Engine._plan
+    monkeypatch.setattr(Engine, "_plan", lambda self: (planned_at.append(steps[0]), plan(self))[1])
+    engine = Engine(TargetStep(target), V)
+    config = DecodeConfig(method="sd", gamma=4, gamma_schedule="cost", max_new_tokens=80)
+    engine.add_many([Job(torch.tensor([prompt]), config, ModelDrafter(draft, V)) for prompt in PROMPTS[:2]])
+    while engine.rows:
+        engine.step()
+        steps[0] += 1
+    gaps = [later - earlier for earlier, later in zip(planned_at, planned_at[1:])]
+    assert engine.step_fn.profile.target_ms(1) == 0 and engine.step_fn.profile.target_ms(1, 2) > 0
+    assert gaps[:4] == [4, 8, 16, 16]
