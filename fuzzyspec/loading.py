@@ -363,15 +363,14 @@ def _gguf_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
         raise LoadError(f"model file not found: {name}")
     try:
         folder = tokenizer_folder(path)
-        damaged = folder.exists()  # (a folder with neither file, as no conversion leaves one, is replaced too)
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             try:
                 return _saved_tokenizer(folder)
             except ValueError as error:  # a damaged copy: the GGUF is the source, so it is converted again
                 log.warning("the tokenizer kept in %s cannot be read (%s): converting the GGUF's again", folder,
                             error)
-                damaged = True
-        write_folder(folder, lambda partial: _write_tokenizer(path, partial), replace=damaged)
+        # (a folder there now is damaged, or holds neither file, as no conversion leaves one: replaced)
+        write_folder(folder, lambda partial: _write_tokenizer(path, partial), replace=folder.exists())
         _drop_older_tokenizers(folder)
         return _saved_tokenizer(folder)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
