@@ -30,10 +30,11 @@ from torch.utils import cpp_extension
 from bench_step import ROOT  # (this folder's modules)
 
 from fuzzyspec.core import kernels
+from fuzzyspec.core.int4 import q8_sums
 from fuzzyspec.core.kernels import ROWS
 from fuzzyspec.tuning import machine
 
-BYTES = {"q4": 4 * 64 + 16 * 2 + 16 * 2, "q8": 8 * 64 + 16 * 2 + 16 * 4}  # a group's block (kernels.h)
+BYTES = {"q4": 4 * 64 + 16 * 2 + 16 * 2, "q8": 8 * 64 + 16 * 2 + (16 * 4 if q8_sums() else 0)}  # (kernels.h)
 SYMBOL = {"q4": "_ZN9fuzzyspec10product_q4EPKfllPKhlPf", "q8": "_ZN9fuzzyspec10product_q8EPKfllPKhlPf"}
 SHAPES = {"q4": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30, "q8": [(49152, 576)] * 3}
 

@@ -73,15 +73,16 @@ def _code_version() -> str:
     return stamp.hexdigest()
 
 
-def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> Made:
+def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made], form: str = "") -> Made:
     """What ``make()`` makes from the files ``sources`` (a model at its kernel's bytes, a drafter's rounded rows), made
     on a machine's first call and kept in the cache (``made/``), then read back memory-mapped: a page of it is read
     when first touched, and shared with every process reading the same file.
 
     Why: the embedded 4-bit target's GGUF blocks took 0.6 s of every run to unpack and repack for the kernel; its kept
     form loads in 25 ms. The file is named by ``name`` and a digest of the sources (their paths, sizes and
-    modification times) and of this package's code (``_code_version``), so an edited or replaced source, or another
-    version of fuzzyspec, makes it again. Of ``name``'s files, the two used last stay (a use marks its file's time):
+    modification times), of this package's code (``_code_version``) and of ``form`` (what else the made object
+    depends on: the packing this machine's kernels read), so an edited or replaced source, another version of
+    fuzzyspec, or a machine whose kernels read other bytes (a cache shared by two machines) makes it again. Of ``name``'s files, the two used last stay (a use marks its file's time):
     two versions in use by turns (two installs, a benchmark of two commits) keep theirs, where removing every other
     file made each version's runs make theirs again; a third one made removes the one used least lately.
 
@@ -90,7 +91,7 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made]) -> M
     cannot be written (a full disk, a read-only cache) is logged and the made object used as it is."""
     import torch
 
-    stamp = hashlib.sha256(_code_version().encode())
+    stamp = hashlib.sha256(f"{_code_version()} {form}".encode())
     for source in sources:
         status = Path(source).stat()
         stamp.update(f"{Path(source).resolve()} {status.st_size} {status.st_mtime_ns}\n".encode())

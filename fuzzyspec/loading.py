@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .core import kernels
+from .core.int4 import packing
 from .files import cache_dir, made_once, write_folder, write_whole
 
 if TYPE_CHECKING:  # (imported where used: transformers takes about 3 s, and ``int4_likely`` is asked before)
@@ -335,7 +336,7 @@ def _load_int4(name: str | None, tokenizer: PreTrainedTokenizerBase | None = Non
     tokenizer = tokenizer or _gguf_tokenizer(name)
     path = gguf_source(name)
     try:  # (unpacked and packed again for the kernel once; then read back as kept)
-        model = made_once(f"int4-{path.stem}", [path], lambda: gguf.load_int4(path))
+        model = made_once(f"int4-{path.stem}", [path], lambda: gguf.load_int4(path), form=packing())
         model.gguf_file = path.resolve()  # (what a drafter's bytes made from it are kept by)
     except (OSError, ValueError, struct.error, EOFError, KeyError, IndexError) as error:
         raise _unloadable(name, error) from error

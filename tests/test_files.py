@@ -61,6 +61,17 @@ def test_a_changed_source_makes_it_again_and_the_file_used_least_lately_goes(cac
     assert len(list(cache.glob("thing-other-*.pt"))) == 1
 
 
+def test_bytes_made_for_other_kernels_are_made_again(cache, tmp_path):
+    """A cache shared by two machines whose kernels read other bytes (``form``: an 8-bit block with or without its
+    code sums) keeps each machine's apart, rather than handing one the other's."""
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"abc")
+    made = []
+    for form in ("q8 without sums", "q8 with sums", "q8 without sums"):
+        files.made_once("thing", [source], made_counting(made), form=form)
+    assert len(made) == 2 and len(list(cache.glob("thing-*.pt"))) == 2
+
+
 def test_an_unreadable_file_is_made_again(cache, tmp_path):
     source = tmp_path / "weights.bin"
     source.write_bytes(b"abc")

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from . import kernels
 from .kernels import ROWS
 
 GROUP = 32  # inputs per block (llama.cpp's)
@@ -70,15 +71,32 @@ def nibbles_of(codes: Tensor) -> Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1)
 
 
-def pack_eight(codes: Tensor, scales: Tensor) -> Tensor:
-    """Q8 codes [N, K] (-128..127) and float16 scales [N, K/32] -> the kernel's bytes [N/16, K/32, 608]: per group
-    of 16 rows and block, for j = 0..7, 64 bytes holding row i's codes 4j..4j+3 (byte 4i + c), then the 16
-    scales, then the 16 rows' code sums (int32, which the AVX-512 path needs)."""
+def q8_sums() -> bool:
+    """Whether this machine's kernels read an 8-bit block's code sums (kernels.h's ``Q8_BYTES``): the AVX-512
+    build's products take them back off. The AVX2 and AVX-VNNI builds never read them, and without them an 8-bit
+    LM head's product streams 11% fewer bytes: 0.89x the time at 1 and 2 tokens on a 2-core AVX2 EPYC (the
+    embedded target's 49,152 x 576 head, 2026-11-29)."""
+    try:
+        return kernels.isa() == "avx512-vnni"
+    except StopIteration:  # (no instruction set the kernels know: no kernel reads them)
+        return False
+
+
+def packing() -> str:
+    """What packed bytes this machine's kernels read, for bytes kept on disk (``files.made_once``'s ``form``)."""
+    return f"q8 {'with' if q8_sums() else 'without'} sums"
+
+
+def pack_eight(codes: Tensor, scales: Tensor, sums: bool | None = None) -> Tensor:
+    """Q8 codes [N, K] (-128..127) and float16 scales [N, K/32] -> the kernel's bytes [N/16, K/32, 544] (608 with
+    ``sums``; default: ``q8_sums()``): per group of 16 rows and block, for j = 0..7, 64 bytes holding row i's
+    codes 4j..4j+3 (byte 4i + c), then the 16 scales, then, with ``sums``, the 16 rows' code sums (int32)."""
     blocks = _grouped(codes.to(torch.int8).reshape(codes.shape[0], -1, 8, 4))  # [G, 16, b, j, c]
     interleaved = blocks.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
-    sums = codes.to(torch.int32).reshape(codes.shape[0], -1, GROUP).sum(-1, dtype=torch.int32)
-    return torch.cat([interleaved.reshape(*interleaved.shape[:2], -1), _per_block(scales.to(torch.float16)),
-                      _per_block(sums)], -1).contiguous()
+    parts = [interleaved.reshape(*interleaved.shape[:2], -1), _per_block(scales.to(torch.float16))]
+    if q8_sums() if sums is None else sums:
+        parts.append(_per_block(codes.to(torch.int32).reshape(codes.shape[0], -1, GROUP).sum(-1, dtype=torch.int32)))
+    return torch.cat(parts, -1).contiguous()
 
 
 def _unpack_codes(packed: Tensor, rows: int, per_chunk: int) -> Tensor:
@@ -210,7 +228,8 @@ def projection_groups(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[n
 
 class Int8Linear(nn.Module):
     """y = x @ W.T (no bias) for W = q[n, k] * scales[n, k // 32], llama.cpp's Q8_0 at its own bytes (int8 codes
-    [N, K] and float16 scales [N, K/32]), held packed for the kernel (``packed``, [ceil(N/16), K/32, 608] bytes).
+    [N, K] and float16 scales [N, K/32]), held packed for the kernel (``packed``, [ceil(N/16), K/32, 544 or 608]
+    bytes: ``pack_eight``).
     ``weight`` is the float W (a tied model's embedding, which lookups read anyway): checks compare with it."""
 
     def __init__(self, codes: Tensor, scales: Tensor, weight: Tensor, bias: Tensor | None = None) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..core.draft import Drafter
-from ..core.int4 import Int8Linear, holds_blocks, round_linears, roundable
+from ..core.int4 import Int8Linear, holds_blocks, packing, round_linears, roundable
 from ..files import made_once
 from ..loading import EMBEDDED, LoadError, check_model_name, check_vocabularies, load_model, shipped
 from ..options import DEFAULT_DRAFT, DEFAULT_JOB
@@ -160,7 +160,8 @@ def _in_targets_blocks(head: Head, folder: Path, target: PreTrainedModel) -> tor
 
     gguf = getattr(target, "gguf_file", None)  # (a target of another source: made each time)
     made = make() if gguf is None else \
-        made_once(f"head-{folder.name}", [*sorted(p for p in folder.iterdir() if p.is_file()), gguf], make)
+        made_once(f"head-{folder.name}", [*sorted(p for p in folder.iterdir() if p.is_file()), gguf], make,
+                  form=packing())
     round_linears(head, made["layers"])
     return made["rows"]
 

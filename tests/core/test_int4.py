@@ -6,7 +6,7 @@ from conftest import run_step, tiny_llama
 from fuzzyspec.core import int4, kernels
 from fuzzyspec.core.config import DecodeConfig
 from fuzzyspec.core.engine import decode
-from fuzzyspec.core.int4 import GROUP, Int4Linear, Int8Linear
+from fuzzyspec.core.int4 import GROUP, Int4Linear, Int8Linear, pack_eight, q8_sums
 from fuzzyspec.core.kvcache import StaticCache
 from fuzzyspec.core.step import TargetStep
 from fuzzyspec.drafters.model import ModelDrafter
@@ -73,6 +73,26 @@ def test_an_8_bit_layer_is_its_codes_times_its_scales_and_its_rows_keep_them():
     rows = layer.rows(index)
     assert torch.equal(rows.weight, weight[index]) and torch.equal(rows.scales(), scales[index])
     assert torch.equal(rows(x), layer(x)[:, index])
+
+
+def test_an_8_bit_block_holds_its_code_sums_only_where_the_kernels_read_them():
+    """The AVX-512 build's products take each row's code sums back off; the other builds never read them, so their
+    blocks leave them out (11% fewer bytes to stream). Either way the codes and scales come back as they went in,
+    and a kernel refuses the other layout in one line rather than reading past its blocks."""
+    generator = torch.Generator().manual_seed(4)
+    codes = torch.randint(-128, 128, (32, 96), generator=generator, dtype=torch.int32)
+    scales = (torch.rand(32, 3, generator=generator) * 0.01).half()
+    with_sums, without = pack_eight(codes, scales, sums=True), pack_eight(codes, scales, sums=False)
+    assert with_sums.shape == (2, 3, 608) and without.shape == (2, 3, 544)
+    assert torch.equal(with_sums[..., :544], without)
+    sums = with_sums[..., 544:].contiguous().view(torch.int32)  # [groups, blocks, 16 rows]
+    assert torch.equal(sums.transpose(1, 2).reshape(32, 3), codes.reshape(32, 3, GROUP).sum(-1, dtype=torch.int32))
+    layer = Int8Linear.from_codes(codes, scales)
+    assert layer.packed.shape[-1] == (608 if q8_sums() else 544)
+    assert torch.equal(layer.codes().int(), codes) and torch.equal(layer.scales(), scales)
+    other = pack_eight(codes, scales, sums=not q8_sums())
+    with pytest.raises(RuntimeError, match=rf"a packed weight \[groups, 3, {layer.packed.shape[-1]}\] bytes"):
+        torch.ops.fuzzyspec_int4.mm_q8(torch.randn(1, 96), other)
 
 
 def int4_model(seed: int, fused: bool = False, hidden: int = 32) -> torch.nn.Module:
