@@ -82,9 +82,10 @@ def made_once(name: str, sources: Sequence[Path], make: Callable[[], Made], form
     form loads in 25 ms. The file is named by ``name`` and a digest of the sources (their paths, sizes and
     modification times), of this package's code (``_code_version``) and of ``form`` (what else the made object
     depends on: the packing this machine's kernels read), so an edited or replaced source, another version of
-    fuzzyspec, or a machine whose kernels read other bytes (a cache shared by two machines) makes it again. Of ``name``'s files, the two used last stay (a use marks its file's time):
-    two versions in use by turns (two installs, a benchmark of two commits) keep theirs, where removing every other
-    file made each version's runs make theirs again; a third one made removes the one used least lately.
+    fuzzyspec, or a machine whose kernels read other bytes (a cache shared by two machines) makes it again. Of
+    ``name``'s files, the two used last stay (a use marks its file's time): two versions in use by turns (two
+    installs, a benchmark of two commits) keep theirs, where removing every other file made each version's runs
+    make theirs again; a third one made removes the one used least lately.
 
     A kept file is a pickle this package wrote into its own cache (as the built kernels beside it are code it built):
     read with ``weights_only=False``, since it holds our modules. One that cannot be read is made again; one that

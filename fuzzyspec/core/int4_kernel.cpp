@@ -12,10 +12,10 @@
 // Layout (int4.py packs it): rows in groups of 16, and per group and block, for j = 0..3 (Q4) or 0..7 (Q8),
 // 64 bytes holding four consecutive codes of each of the 16 rows (Q4: inputs 4j..4j+3 in the low nibbles,
 // 16+4j.. in the high ones), then the 16 rows' float16 scales (and Q4's float16 minimums; the AVX-512 build's
-// Q8, the rows' int32 code sums). So one vector register holds the same four inputs of 16 rows (8 with AVX2), the token's four
-// activation bytes are broadcast to every lane, and one multiply-add of bytes (VNNI's dpbusd, or AVX2's
-// maddubs + madd) advances 16 rows' integer sums at once: no horizontal sums, and the float work (convert,
-// scale, accumulate) is done once per block for 16 rows.
+// Q8, the rows' int32 code sums). So one vector register holds the same four inputs of 16 rows (8 with AVX2),
+// the token's four activation bytes are broadcast to every lane, and one multiply-add of bytes (VNNI's dpbusd,
+// or AVX2's maddubs + madd) advances 16 rows' integer sums at once: no horizontal sums, and the float work
+// (convert, scale, accumulate) is done once per block for 16 rows.
 //
 // Unsigned by signed bytes: Q4's codes are unsigned. Q8's are signed: AVX2 gives their signs to the
 // activations (pair sums stay below int16's limit, 2 * 128 * 127); AVX-512 shifts the activations to unsigned
