@@ -92,7 +92,7 @@ SHIPPED = {name: getattr(cost, name) for name in ("PRIOR_WEIGHT", "MEMORY", "DOU
 POPULATION = Profile.population
 SHIPPED_PLAN_EVERY = engine.PLAN_EVERY
 SHIPPED_REFRESH = engine.REFRESH
-SHIPPED_FUSED = step_module._fused
+SHIPPED_FUSED = step_module.fused_eager
 SHIPPED_COPY_LENGTH = engine.copy_length
 SHIPPED_PLAN = engine.plan
 
@@ -162,7 +162,7 @@ def apply(variant: str) -> dict:
     Profile.population = POPULATION
     engine.PLAN_EVERY = SHIPPED_PLAN_EVERY
     engine.REFRESH = SHIPPED_REFRESH
-    step_module._fused = SHIPPED_FUSED
+    step_module.fused_eager = SHIPPED_FUSED
     engine.copy_length = SHIPPED_COPY_LENGTH
     engine.plan = SHIPPED_PLAN
     kvcache.kernels = SHIPPED_KERNELS
@@ -187,7 +187,7 @@ def apply(variant: str) -> dict:
         elif part.startswith("plan") and part[4:].isdigit():  # plan every N steps (1: every step, as before
             engine.PLAN_EVERY = int(part[4:])  # 2026-11-26's engine.PLAN_EVERY)
         elif part == "unfused":
-            step_module._fused = lambda x: False
+            step_module.fused_eager = lambda x: False
         elif part == "gammacopy":  # every copy at its cap, as before cost.copy_length (2026-11-26, night)
             engine.copy_length = lambda acceptance, profile, cap, *shape: cap
         elif part == "nopace":  # each size's cost its own running median, no pace, as before 2026-11-26 (late)

@@ -85,12 +85,12 @@ def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     EAGLE head's dropped input norm is, passes ``x`` through)."""
     if isinstance(norm, nn.Identity):
         return x
-    if _fused(x) and norm.weight.dtype == torch.float32:
+    if fused_eager(x) and norm.weight.dtype == torch.float32:
         return torch.ops.fuzzyspec_layer.rms_norm(x, norm.weight, norm.variance_epsilon)
     return normed(x, norm.weight, norm.variance_epsilon)
 
 
-def _fused(x: Tensor) -> bool:
+def fused_eager(x: Tensor) -> bool:
     """Whether an eager step over ``x`` runs its layers' small steps through ``layer_kernel.cpp`` (one call for a
     norm, one for the rotary embedding and cache writes, where PyTorch makes six and about twenty: an eager 4-bit
     step of the embedded model went from 10.0 to 7.2 ms): float32 on a CPU with our kernels, outside autograd, and
@@ -101,7 +101,7 @@ def _fused(x: Tensor) -> bool:
 
 def _whole_calls(h: Tensor, keys: Tensor) -> bool:
     """Whether an eager step runs a layer's ``whole_layer`` in one call (``fuzzyspec_layer.decoder_layer``)."""
-    return _fused(h) and keys.dtype in (torch.float32, torch.float16)
+    return fused_eager(h) and keys.dtype in (torch.float32, torch.float16)
 
 
 def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
@@ -124,7 +124,7 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
         q, k, v = qkv(x).split(heads.widths, -1)
     else:
         q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
-    if _fused(h) and cos.dtype == torch.float32 and keys.dtype in (torch.float32, torch.float16):
+    if fused_eager(h) and cos.dtype == torch.float32 and keys.dtype in (torch.float32, torch.float16):
         q = torch.ops.fuzzyspec_layer.rope_store(q, k, v, cos, sin, keys, values, where, write, heads.count, heads.kv)
     else:
         q = rotate(q.view(rows, width, heads.count, heads.dim), cos, sin)
@@ -146,7 +146,7 @@ def decoder_layer(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, keys: T
     h = h + attention.o_proj(out.reshape(rows, width, heads.count * heads.dim))
     mlp = layer.mlp
     x = rms_norm(layer.post_attention_layernorm, h)
-    if gate_up is not None and _fused(h):  # (one call, and the whole layer's op computes it so)
+    if gate_up is not None and fused_eager(h):  # (one call, and the whole layer's op computes it so)
         return h + mlp.down_proj(torch.ops.fuzzyspec_layer.silu_mul(gate_up(x)))
     if gate_up is not None:
         gate, up = gate_up(x).chunk(2, -1)

@@ -107,12 +107,12 @@ def test_an_eager_steps_fused_norm_and_rotary_calls_compute_what_pytorch_does(ta
         together = rms_norm(norm, x)
         alone = torch.cat([rms_norm(norm, x[i: i + 1, j: j + 1]) for i in range(5) for j in range(7)])
     assert torch.equal(together.reshape(35, -1), alone.reshape(35, -1))
-    monkeypatch.setattr(step_module, "_fused", lambda x: False)
+    monkeypatch.setattr(step_module, "fused_eager", lambda x: False)
     with torch.inference_mode():
         torch.testing.assert_close(together, rms_norm(norm, x), rtol=1e-6, atol=1e-6)
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(step_module, "_fused", lambda x, fused=fused: fused)
+        monkeypatch.setattr(step_module, "fused_eager", lambda x, fused=fused: fused)
         cache = StaticCache.for_model(target.config, 2, 16, torch.float32, "cpu")
         with torch.inference_mode():
             first, _ = run(TargetStep(target), cache, [[3, 9, 4, 4], [8, 1, 2, 7]])

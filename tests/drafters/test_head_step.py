@@ -1,9 +1,12 @@
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from conftest import tiny_llama
-from fuzzyspec.core import kept
+from fuzzyspec.core import kept, kernels
+from fuzzyspec.core.int4 import round_linears
 from fuzzyspec.core.kvcache import HEAD_CAPACITY, DraftCache, crop_to
 from fuzzyspec.core.vocab import DraftVocab
 from fuzzyspec.drafters.eagle3 import make_eagle3
@@ -193,3 +196,29 @@ def test_a_head_that_cannot_be_compiled_ahead_warns_once_and_runs_through_dynamo
         assert len(warned) == 1 and step._kept is None and step._compiled is not None
         for a, b in zip(ours, calls(step, step.new_cache(), tokens, features, False)):
             assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable()}")
+def test_an_8_bit_heads_input_in_one_call_gives_the_same_numbers(model, head):
+    """Beside a 4-bit target a head's layers are 8-bit (``round_linears``), and an eager step computes
+    fc([embedding ; feature]) + bias in one call (``fuzzyspec_int4.head_input``), where it made four operations:
+    the same outputs bit for bit, call for call; a token id past the embedding is refused in one line."""
+    rounded = copy.deepcopy(head)
+    round_linears(rounded)
+    embed = model.get_input_embeddings()
+    step = HeadStep(rounded, embed)
+    assert step._input is not None and rounded.fc.bias is not None
+    apart = HeadStep(rounded, embed)
+    apart._input = None
+    tokens = torch.randint(0, V, (1, 43), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 43, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for a, b in zip(calls(step, step.new_cache(), tokens, features, False),
+                        calls(apart, apart.new_cache(), tokens, features, False)):
+            assert torch.equal(a, b)
+        without_bias = step._input[:2] + (embed.weight.new_empty(0),)
+        assert torch.equal(torch.ops.fuzzyspec_int4.head_input(tokens[:, :5], features[:, :5], *without_bias),
+                           torch.ops.fuzzyspec_int4.mm_q8(torch.cat([embed(tokens[:, :5]), features[:, :5]], -1),
+                                                          rounded.fc.packed))
+        with pytest.raises(RuntimeError, match=f"head_input: a token id past the {V} rows"):
+            torch.ops.fuzzyspec_int4.head_input(torch.tensor([[V]]), features[:, :1], *step._input)
