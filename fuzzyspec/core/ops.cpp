@@ -11,6 +11,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -33,9 +34,9 @@ void check(bool holds, const Parts&... parts) {
   throw std::runtime_error(message.str());
 }
 
-// A new float32 CPU tensor of this shape. (Through the C shim: torch::stable::new_empty finds aten::new_empty by
-// name in the dispatcher at every call, a few microseconds, and a step makes about 250 of these calls.)
-Tensor empty_floats(const std::vector<int64_t>& shape) {
+// A new CPU tensor of this shape and dtype (float32 unless said). (Through the C shim: torch::stable::new_empty finds
+// aten::new_empty by name in the dispatcher at every call, a few microseconds, and a step makes about 250 of these.)
+Tensor empty_floats(const std::vector<int64_t>& shape, int32_t dtype = aoti_torch_dtype_float32()) {
   std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
   for (size_t i = shape.size(); i-- > 0;) {
@@ -44,7 +45,7 @@ Tensor empty_floats(const std::vector<int64_t>& shape) {
   }
   AtenTensorHandle handle = nullptr;
   check(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(), strides.data(),
-                                 aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0,
+                                 dtype, aoti_torch_device_type_cpu(), 0,
                                  &handle) == AOTI_TORCH_SUCCESS,
         "could not allocate an output");
   return Tensor(handle);
@@ -340,6 +341,31 @@ Tensor decoder_layer(Tensor h, Tensor input_norm, double input_eps, Tensor qkv, 
                         sin, {keys}, {values}, where, write, mask, heads, kv_heads, scale);
 }
 
+// kvcache.attention_mask in one call where PyTorch made seven, each cold after a target pass: [B, 1, k, capacity]
+// bool, query i of row b seeing the row's cached positions (< starts[b]) and the new positions starts[b] + j that
+// tree [B, k, k] allows.
+Tensor attention_mask(Tensor starts, Tensor tree, int64_t capacity) {
+  check(starts.scalar_type() == ScalarType::Long && starts.dim() == 1 && tree.scalar_type() == ScalarType::Bool &&
+            tree.dim() == 3 && tree.size(0) == starts.size(0) && tree.size(1) == tree.size(2),
+        "attention_mask: int64 starts [B] and a bool tree [B, k, k]");
+  const int64_t B = tree.size(0), k = tree.size(1);
+  const Tensor first = dense(starts), allowed = dense(tree);
+  const int64_t* start = first.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    check(start[b] >= 0 && start[b] + k <= capacity, "attention_mask: ", k, " positions from ", start[b],
+          " past a cache of ", capacity);
+  Tensor mask = empty_floats({B, 1, k, capacity}, aoti_torch_dtype_bool());
+  bool* row = static_cast<bool*>(mask.mutable_data_ptr());
+  const bool* sees = static_cast<const bool*>(allowed.const_data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < k; ++i, row += capacity) {
+      std::fill(row, row + start[b], true);
+      std::copy(sees + (b * k + i) * k, sees + (b * k + i + 1) * k, row + start[b]);
+      std::fill(row + start[b] + k, row + capacity, false);
+    }
+  return mask;
+}
+
 // A tree's kept path moved down in one slot of every layer's cache, in one call: in each of ``caches`` ([slots,
 // kv_heads, capacity, D] of any dtype, D contiguous), position start + columns[i] goes to start + i.
 void keep_columns(std::vector<Tensor> caches, int64_t slot, int64_t start, std::vector<int64_t> columns) {
@@ -388,6 +414,7 @@ STABLE_TORCH_LIBRARY(fuzzyspec_layer, m) {
         "Tensor where, Tensor write, int heads, int kv_heads) -> Tensor");
   m.def("keep_columns(Tensor(a!)[] caches, int slot, int start, int[] columns) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("attention_mask(Tensor starts, Tensor tree, int capacity) -> Tensor");
   m.def("decoder_layer(Tensor h, Tensor input_norm, float input_eps, Tensor qkv, Tensor o, Tensor post_norm, "
         "float post_eps, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor where, Tensor write, Tensor mask, int heads, int kv_heads, float scale) -> Tensor");
@@ -402,6 +429,7 @@ STABLE_TORCH_LIBRARY_IMPL(fuzzyspec_layer, CPU, m) {
   m.impl("rope_store", TORCH_BOX(&rope_store));
   m.impl("keep_columns", TORCH_BOX(&keep_columns));
   m.impl("silu_mul", TORCH_BOX(&silu_mul));
+  m.impl("attention_mask", TORCH_BOX(&attention_mask));
   m.impl("decoder_layer", TORCH_BOX(&decoder_layer));
   m.impl("decoder_layers", TORCH_BOX(&decoder_layers));
 }
