@@ -224,6 +224,9 @@ class LlamaForward(nn.Module):
         self.whole = wholes if all(w is not None for w in wholes) else None
         # the same, all layers in one call (``fuzzyspec_layer.decoder_layers``): each of its arguments' list by layer
         self.stacked = [list(column) for column in zip(*wholes)] if self.whole is not None else None
+        # and the final norm in that call, where it is an RMSNorm of float32 weights (its own call ran cold after the
+        # layers' stream of weights); an empty weight: the norm is left to its own call
+        self.final = _norm_of(self.decoder.norm) or (torch.empty(0), 0.0)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -246,14 +249,17 @@ class LlamaForward(nn.Module):
                 found[0] = h
             h = torch.ops.fuzzyspec_layer.decoder_layers(h, *self.stacked, cos, sin, cache.keys, cache.values, where,
                                                          write, mask, self.heads.count, self.heads.kv,
-                                                         self.heads.dim ** -0.5)
+                                                         self.heads.dim ** -0.5, *self.final)
+            normed = self.final[0].numel() > 0
         else:
             for i, layer in enumerate(self.decoder.layers):
                 if i in features:
                     found[i] = h
                 h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
                                   self.heads, self.qkv[i], self.gate_up[i], self.whole and self.whole[i])
-        h = rms_norm(self.decoder.norm, h)
+            normed = False
+        if not normed:
+            h = rms_norm(self.decoder.norm, h)
         if self.layer_count in features:
             found[self.layer_count] = h
         return self.lm_head(h[:, -keep:] if keep else h), found

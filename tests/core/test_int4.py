@@ -178,14 +178,15 @@ def test_a_4bit_layer_in_one_call_gives_what_its_separate_ops_give(cache_dtype):
 
 def test_a_4bit_models_layers_in_one_call_give_what_a_call_a_layer_gives(monkeypatch):
     """An eager float32 step of a 4-bit target whose drafter asks for no inner layer's input runs all its layers in one
-    call (``fuzzyspec_layer.decoder_layers``): the same logits, features and cache, bit for bit, as a call a layer,
-    batched and over a tree; an inner layer asked for takes a call a layer; a position past the cache's end is
-    refused before any layer's cache is written."""
+    call (``fuzzyspec_layer.decoder_layers``), its final norm too: the same logits, features and cache, bit for bit,
+    as a call a layer and the norm's own call, batched and over a tree; an inner layer asked for takes a call a
+    layer; a position past the cache's end is refused before any layer's cache is written."""
     from fuzzyspec.core import step as step_module
 
     model = int4_model(seed=4, fused=True, hidden=64)
     assert len(model.model.layers) == 2
     stacked, layered = TargetStep(model), TargetStep(model)
+    assert stacked.forward.final[0].numel() > 0  # (the final norm in the one call)
     layered.forward.stacked = None
     one_layer = step_module.decoder_layer
     calls = []
@@ -217,7 +218,8 @@ def test_a_4bit_models_layers_in_one_call_give_what_a_call_a_layer_gives(monkeyp
     with pytest.raises(RuntimeError) as refused:
         torch.ops.fuzzyspec_layer.decoder_layers(h, *stacked.forward.stacked, cos, sin, keys, values,
                                                  torch.tensor([[0]]), torch.tensor([[31, 32]]),
-                                                 torch.ones(1, 1, 2, 32, dtype=torch.bool), 4, 2, 0.25)
+                                                 torch.ones(1, 1, 2, 32, dtype=torch.bool), 4, 2, 0.25,
+                                                 *stacked.forward.final)
     assert str(refused.value).splitlines()[0] == "decoder_layer: a position past the cache's end"
     assert all(map(torch.equal, keys + values, before))
 
