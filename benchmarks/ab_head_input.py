@@ -60,8 +60,8 @@ def main() -> None:
     for way, name in ((False, "four operations"), (True, "one call")):
         print(f"  {name:16s} head forward {1000 * seconds[way] / calls[way]:.3f} ms a call ({calls[way]} calls), "
               f"answers {wall[way]:.2f} s")
-    print(f"  one call / four operations: head forward "
-          f"{(seconds[True] / calls[True]) / (seconds[False] / calls[False]):.3f}, answers {wall[True] / wall[False]:.3f}")
+    forward_ratio = (seconds[True] / calls[True]) / (seconds[False] / calls[False])
+    print(f"  one call / four operations: head forward {forward_ratio:.3f}, answers {wall[True] / wall[False]:.3f}")
 
 
 if __name__ == "__main__":
