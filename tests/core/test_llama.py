@@ -107,3 +107,6 @@ def test_the_rotary_angles_are_transformers_bit_for_bit(dtype):
     for positions in (torch.arange(10).reshape(2, 5), torch.randint(0, 200_000, (2, 5))):
         expected, got = theirs(x, positions), ours(x, positions)
         assert all(a.dtype == b.dtype == dtype and torch.equal(a, b) for a, b in zip(got, expected))
+        with torch.inference_mode():  # (a step's: read from a table of the positions so far, grown as they come)
+            assert all(torch.equal(a, b) for a, b in zip(ours(x, positions), expected))
+    assert ours._tables[dtype].shape[0] > int(positions.max())  # (grown from 256 rows)
