@@ -28,13 +28,13 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from ..core import step as core_step
 from ..core.graphs import Graphs
 from ..core.host import upload
 from ..core.int4 import Int8Linear
 from ..core.kept import Kept, NotKept, fingerprint, marked_like, structure
 from ..core.kernels import ROWS
 from ..core.kvcache import DraftCache, HeadCache
-from ..core import step as core_step
 from ..core.step import CPU_INDUCTOR, KEEPS, Compiled, Heads, decoder_layer, llama_layers, packed, whole_layer
 from .eagle_head import EagleHead
 
