@@ -34,7 +34,7 @@ from ..core.host import upload
 from ..core.int4 import Int8Linear
 from ..core.kept import Kept, NotKept, fingerprint, marked_like, structure
 from ..core.kernels import ROWS
-from ..core.kvcache import DraftCache, HeadCache
+from ..core.kvcache import DraftCache, HeadCache, attention_mask
 from ..core.step import CPU_INDUCTOR, KEEPS, Compiled, Heads, decoder_layer, llama_layers, packed, whole_layer
 from .eagle_head import EagleHead
 
@@ -135,15 +135,19 @@ class HeadStep:
         if start is None:
             start = cache.length
             cache.make_room(start + run)
+            write = torch.arange(start, start + run, device=device)[None]
             # Where each input may look, made on the host: the cache so far, then the tree's (or causal) part; a
             # padding input sees itself alone, and is written past ``length``, where nothing reads it.
-            mask = torch.zeros(run, cache.capacity, dtype=torch.bool)
-            mask[:, :start] = True
-            mask[:, start: start + run] = _own_part(run, width if allowed is None else 0)
-            mask = upload(mask, device)
+            own = _own_part(run, width if allowed is None else 0)
+            if allowed is None and core_step.fused_eager(features):  # (one call of our kernels, not four ops)
+                mask = attention_mask(write[:, 0], own[None], cache.capacity)[0, 0]
+            else:
+                mask = torch.zeros(run, cache.capacity, dtype=torch.bool)
+                mask[:, :start] = True
+                mask[:, start: start + run] = own
+                mask = upload(mask, device)
             if allowed is not None:  # (a tree level's, made on the device: written there, not read back)
                 mask[:width, start + width - allowed.shape[1]: start + width] = allowed
-            write = torch.arange(start, start + run, device=device)[None]
         else:
             write = start + torch.arange(run, device=device)[None]
             mask = _mask_on_device(write, width, allowed, cache.capacity)
