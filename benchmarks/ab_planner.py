@@ -166,6 +166,7 @@ def apply(variant: str) -> dict:
     engine.copy_length = SHIPPED_COPY_LENGTH
     engine.plan = SHIPPED_PLAN
     kvcache.kernels = SHIPPED_KERNELS
+    engine.attention_mask = head_step_module.attention_mask = kvcache.attention_mask
     for step in list(head_step_module._STEPS.values()):
         if isinstance(step, HeadStep):
             step._kept = DIRECT.setdefault(step, step._kept)
@@ -195,8 +196,9 @@ def apply(variant: str) -> dict:
         elif part == "dynamohead":  # the head's calls through dynamo, as before its direct calls (2026-11-27)
             for step in DIRECT:
                 step._kept = None
-        elif part == "indexkeep":  # kept paths moved by indexing, as before keep_columns (2026-11-27)
+        elif part == "indexkeep":  # kept paths moved by indexing, as before keep_columns (2026-11-27); masks as now
             kvcache.kernels = types.SimpleNamespace(loaded=lambda: False)
+            engine.attention_mask = head_step_module.attention_mask = torch.ops.fuzzyspec_layer.attention_mask
         elif part == "norefresh":  # no plan re-measures a 1-token chain's pass, as before engine.REFRESH (2026-11-28)
             engine.REFRESH = 10**9
         elif part == "chains":

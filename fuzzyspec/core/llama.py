@@ -103,6 +103,9 @@ class RMSNorm(nn.Module):
         return normed(x, self.weight, self.variance_epsilon)
 
 
+TABLE_LIMIT = 65_536  # positions a rotary table holds at most: 2 x 65,536 x D floats (32 MB at D = 64)
+
+
 class Rotary(nn.Module):
     """cos and sin [B, T, D] of each position's rotary angles (the default rope: theta ** (-2i / D))."""
 
@@ -116,7 +119,7 @@ class Rotary(nn.Module):
         steps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
         inv_freq = 1.0 / (parameters["rope_theta"] ** (steps / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._tables: dict[torch.dtype, Tensor] = {}  # dtype -> [positions, 2D]: each position's cos | sin
+        self._tables: dict[torch.dtype, Tensor] = {}  # dtype -> [2, positions, D]: each position's cos and sin
 
     def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         if x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -132,18 +135,21 @@ class Rotary(nn.Module):
         """``angles``, read from a table of every position so far that ``angles`` made (element by element: a
         position's values do not depend on the others made with it, so they are the same bits). One lookup where
         ``angles`` made five operations, each run cold after a target pass (93 us of a 4-bit step on a 2-core AVX2
-        EPYC); the table doubles when a position outgrows it."""
-        table = self._tables.get(dtype)
+        EPYC); cos and sin come out contiguous, as the kernels read them. The table doubles when a position outgrows
+        it, up to ``TABLE_LIMIT`` positions; a position past that, or below 0, is computed."""
+        table, flat = self._tables.get(dtype), positions.reshape(-1)
         try:
             if table is None:
                 raise IndexError
-            rows = F.embedding(positions, table)
-        except IndexError:  # (a position past the table, or none yet)
-            size = max(256, 2 * (0 if table is None else table.shape[0]), int(positions.max()) + 1)
-            table = self._tables[dtype] = torch.cat(self.angles(dtype, torch.arange(size)), -1)
-            rows = F.embedding(positions, table)
-        half = rows.shape[-1] // 2
-        return rows[..., :half], rows[..., half:]
+            rows = table.index_select(1, flat)
+        except (IndexError, RuntimeError):  # (a position past the table, or none yet: index_select says so)
+            if flat.numel() == 0 or int(flat.min()) < 0 or int(flat.max()) >= TABLE_LIMIT:
+                return self.angles(dtype, positions)
+            size = min(TABLE_LIMIT, max(256, 2 * (0 if table is None else table.shape[1]), int(flat.max()) + 1))
+            table = self._tables[dtype] = torch.stack(self.angles(dtype, torch.arange(size, device="cpu")))
+            rows = table.index_select(1, flat)
+        rows = rows.view(2, *positions.shape, rows.shape[-1])
+        return rows[0], rows[1]
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

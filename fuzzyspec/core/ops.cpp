@@ -95,7 +95,9 @@ Tensor head_input(Tensor tokens, Tensor features, Tensor embedding, Tensor packe
             embedding.scalar_type() == ScalarType::Float && embedding.dim() == 2 && features.dim() == tokens.dim() + 1,
         "head_input: int64 tokens [..., T], float32 features [..., T, H] and embedding [V, H]");
   const int64_t V = embedding.size(0), H = embedding.size(1), T = tokens.numel();
-  check(features.size(-1) == H && features.numel() == T * H, "head_input: features [..., T, ", H, "]");
+  bool shaped = features.size(-1) == H;
+  for (int64_t i = 0; i < tokens.dim(); ++i) shaped = shaped && features.size(i) == tokens.size(i);
+  check(shaped, "head_input: features [..., T, ", H, "] for tokens [..., T]");
   const Tensor ids = dense(tokens), table = dense(embedding), given = dense(features);
   const int64_t* id = ids.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) check(id[t] >= 0 && id[t] < V, "head_input: a token id past the ", V, " rows");
@@ -111,7 +113,8 @@ Tensor head_input(Tensor tokens, Tensor features, Tensor embedding, Tensor packe
   Tensor out = product(x, packed, true);
   const int64_t N = out.size(-1);
   if (bias.numel()) {
-    check(bias.scalar_type() == ScalarType::Float && bias.numel() == N, "head_input: a float32 bias of ", N);
+    check(bias.scalar_type() == ScalarType::Float && bias.dim() == 1 && bias.numel() == N,
+          "head_input: a float32 bias of ", N);
     const Tensor b = dense(bias);
     const float* add = b.const_data_ptr<float>();
     float* y = out.mutable_data_ptr<float>();
@@ -361,8 +364,8 @@ Tensor attention_mask(Tensor starts, Tensor tree, int64_t capacity) {
   const Tensor first = dense(starts), allowed = dense(tree);
   const int64_t* start = first.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    check(start[b] >= 0 && start[b] + k <= capacity, "attention_mask: ", k, " positions from ", start[b],
-          " past a cache of ", capacity);
+    check(k <= capacity && start[b] >= 0 && start[b] <= capacity - k, "attention_mask: ", k, " positions from ",
+          start[b], " past a cache of ", capacity);
   Tensor mask = empty_floats({B, 1, k, capacity}, aoti_torch_dtype_bool());
   bool* row = static_cast<bool*>(mask.mutable_data_ptr());
   const bool* sees = static_cast<const bool*>(allowed.const_data_ptr());

@@ -100,13 +100,16 @@ def test_the_rotary_angles_are_transformers_bit_for_bit(dtype):
     dtype (the logits tests above cover it only through a whole model, at small positions, in float32)."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from fuzzyspec.core.llama import Rotary
+    from fuzzyspec.core.llama import TABLE_LIMIT, Rotary
 
     theirs, ours = LlamaRotaryEmbedding(LlamaConfig(**FIELDS)), Rotary(LlamaLikeConfig(**FIELDS))
     x = torch.zeros(2, 5, FIELDS["hidden_size"], dtype=dtype)
-    for positions in (torch.arange(10).reshape(2, 5), torch.randint(0, 200_000, (2, 5))):
+    for positions in (torch.arange(10).reshape(2, 5), torch.randint(0, 60_000, (2, 5)),
+                      torch.randint(0, 200_000, (2, 5)), torch.tensor([[-3, 0, 1, 2, 70_000]] * 2)):
         expected, got = theirs(x, positions), ours(x, positions)
         assert all(a.dtype == b.dtype == dtype and torch.equal(a, b) for a, b in zip(got, expected))
-        with torch.inference_mode():  # (a step's: read from a table of the positions so far, grown as they come)
-            assert all(torch.equal(a, b) for a, b in zip(ours(x, positions), expected))
-    assert ours._tables[dtype].shape[0] > int(positions.max())  # (grown from 256 rows)
+        # a step's: read from a table of the positions so far, grown as they come (past its limit, or below 0,
+        # computed), contiguous as the kernels read them
+        with torch.inference_mode():
+            assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(ours(x, positions), expected))
+    assert 256 < ours._tables[dtype].shape[1] <= TABLE_LIMIT  # (grown from its first 256 positions, no further)

@@ -202,7 +202,8 @@ def test_a_head_that_cannot_be_compiled_ahead_warns_once_and_runs_through_dynamo
 def test_an_8_bit_heads_input_in_one_call_gives_the_same_numbers(model, head):
     """Beside a 4-bit target a head's layers are 8-bit (``round_linears``), and an eager step computes
     fc([embedding ; feature]) + bias in one call (``fuzzyspec_int4.head_input``), where it made four operations:
-    the same outputs bit for bit, call for call; a token id past the embedding is refused in one line."""
+    the same outputs bit for bit, call for call; a token id past the embedding, or features not one a token, are
+    refused in one line."""
     rounded = copy.deepcopy(head)
     round_linears(rounded)
     embed = model.get_input_embeddings()
@@ -222,3 +223,5 @@ def test_an_8_bit_heads_input_in_one_call_gives_the_same_numbers(model, head):
                                                           rounded.fc.packed))
         with pytest.raises(RuntimeError, match=f"head_input: a token id past the {V} rows"):
             torch.ops.fuzzyspec_int4.head_input(torch.tensor([[V]]), features[:, :1], *step._input)
+        with pytest.raises(RuntimeError, match="head_input: features"):  # (as many, but not token for token)
+            torch.ops.fuzzyspec_int4.head_input(tokens[:, :5].T.contiguous(), features[:, :5], *step._input)
