@@ -89,6 +89,7 @@ def test_the_kept_target_and_head_bytes_are_what_loading_makes(tmp_path, monkeyp
     """A 4-bit target made once and read back (``files.made_once``) is the model ``load_int4`` builds, to the bit,
     with its tie and fused views; the shipped EAGLE head's bytes beside it, kept, are those made fresh."""
     from fuzzyspec import files
+    from fuzzyspec.drafters import registry
     from fuzzyspec.drafters.registry import load_drafter
     from fuzzyspec.loading import _load_int4, embedded_gguf
 
@@ -119,3 +120,15 @@ def test_the_kept_target_and_head_bytes_are_what_loading_makes(tmp_path, monkeyp
     drafts = [source.new(built.config.vocab_size) for source in (fresh, head)]
     features = torch.randn(1, 4, built.config.hidden_size)
     assert torch.equal(*(drafter._head_logits(features) for drafter in drafts))
+
+    # both are kept under the packing this machine's kernels read: a cache shared with a machine whose kernels read
+    # the other (an 8-bit block with or without its code sums) keeps each one's own
+    forms, keep = [], registry.made_once
+    monkeypatch.setattr(registry, "made_once", lambda *args, **kwargs: forms.append(kwargs.get("form")) or
+                        keep(*args, **kwargs))
+    load_drafter("eagle", kept, tokenizer)
+    assert forms == [int4.packing()]
+    other = not int4.q8_sums()
+    monkeypatch.setattr(int4, "q8_sums", lambda: other)
+    _load_int4(None)
+    assert len(list((tmp_path / "made").glob("int4-*.pt"))) == 2
