@@ -34,9 +34,9 @@ void check(bool holds, const Parts&... parts) {
   throw std::runtime_error(message.str());
 }
 
-// A new CPU tensor of this shape and dtype (float32 unless said). (Through the C shim: torch::stable::new_empty finds
-// aten::new_empty by name in the dispatcher at every call, a few microseconds, and a step makes about 250 of these.)
-Tensor empty_floats(const std::vector<int64_t>& shape, int32_t dtype = aoti_torch_dtype_float32()) {
+// A new CPU tensor of this shape and dtype. (Through the C shim: torch::stable::new_empty finds aten::new_empty by
+// name in the dispatcher at every call, a few microseconds, and a step makes about 250 of these calls.)
+Tensor empty_of(const std::vector<int64_t>& shape, int32_t dtype) {
   std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
   for (size_t i = shape.size(); i-- > 0;) {
@@ -49,6 +49,10 @@ Tensor empty_floats(const std::vector<int64_t>& shape, int32_t dtype = aoti_torc
                                  &handle) == AOTI_TORCH_SUCCESS,
         "could not allocate an output");
   return Tensor(handle);
+}
+
+Tensor empty_floats(const std::vector<int64_t>& shape) {
+  return empty_of(shape, aoti_torch_dtype_float32());
 }
 
 Tensor dense(const Tensor& t) {
@@ -366,7 +370,7 @@ Tensor attention_mask(Tensor starts, Tensor tree, int64_t capacity) {
   for (int64_t b = 0; b < B; ++b)
     check(k <= capacity && start[b] >= 0 && start[b] <= capacity - k, "attention_mask: ", k, " positions from ",
           start[b], " past a cache of ", capacity);
-  Tensor mask = empty_floats({B, 1, k, capacity}, aoti_torch_dtype_bool());
+  Tensor mask = empty_of({B, 1, k, capacity}, aoti_torch_dtype_bool());
   bool* row = static_cast<bool*>(mask.mutable_data_ptr());
   const bool* sees = static_cast<const bool*>(allowed.const_data_ptr());
   for (int64_t b = 0; b < B; ++b)
