@@ -32,6 +32,7 @@ T = inf on chains accepts every draft: such rows run their drafter alone, with n
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -576,37 +577,23 @@ class Engine:
         width, rows = self.step_fn.shape(1 + max(sizes.values()), len(self.slots))
         self._reserve(rows, max(self.cache.lengths[:rows]) + width)
         self._forget(rows)
-        tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        depths = torch.zeros(rows, width, dtype=torch.long)
-        tree = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # padding sees itself
-        grown = []  # (row, draft) of trees grown on the device: their shapes are written there
-        for b, draft in drafts.items():
-            row, n = self.slots[b], sizes[b]
-            tokens[b, 0] = row.sequence[0, -1]
-            if n:
-                tokens[b, 1: 1 + n] = draft.tokens
-                tree[b, 1: 1 + n, 0] = True
-                if draft.is_chain:
-                    tree[b, : 1 + n, : 1 + n] = torch.ones(1 + n, 1 + n, dtype=torch.bool).tril()
-                    depths[b, : 1 + n] = torch.arange(1 + n)
-                elif draft.grown is not None:
-                    grown.append((b, draft))
-                else:
-                    tree[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
-                    depths[b, 1: 1 + n] = torch.tensor(draft.depths)
-        tree, depths = upload(tree, self.device), upload(depths, self.device)
-        for b, draft in grown:
-            n = sizes[b]
-            tree[b, 1: 1 + n, 1: 1 + n] = draft.grown.ancestors
-            depths[b, 1: 1 + n] = draft.grown.depths
+        tokens = self._tokens(drafts, sizes, rows, width)
+        # Each row's tree and depths: a chain's (a row drafting nothing or padding: a chain of none) kept from earlier
+        # steps, where made afresh they were ten small operations a step, each cold after a pass
+        chains = tuple(sizes[b] if b in drafts and (drafts[b] is None or drafts[b].is_chain) else 0 for b in range(rows))
+        if all(draft is None or draft.is_chain for draft in drafts.values()):
+            tree, depths = _chain_layout(chains, width, self.device)
+        else:
+            tree, depths = self._tree_layout(drafts, sizes, chains, width)
         readers = {b for b in drafts if self.slots[b].drafter is not None and self.slots[b].drafter.wants_target_features}
         features = self._feature_layers([self.slots[b].drafter for b in readers])
         starts_list = self.cache.lengths[:rows]
         starts = upload(starts_list, self.device, torch.long)
         mask = attention_mask(starts, tree, self.cache.capacity)
+        write = write_positions(starts, width)
+        positions = write if all(n == width - 1 for n in chains) else starts[:, None] + depths
         mark = self.timer.start()
-        logits, found = self.step_fn(self.cache, tokens, starts[:, None] + depths,
-                                     write_positions(starts, width), mask, None, 0, features, compiled=True)
+        logits, found = self.step_fn(self.cache, tokens, positions, write, mask, None, 0, features, compiled=True)
         logits = logits[..., : self.vocab_size]
         if not self.step_fn.compiling:  # a compilation's seconds would price this width out for good
             context = max(starts_list)
@@ -649,6 +636,40 @@ class Engine:
                 log_p = log_probs(logits[b, kept], row.config.sampling)
                 row.token_logprobs += token_logprobs(log_p, new, row.logprobs)
             self._emit(row, new)
+
+    def _tokens(self, drafts: dict[int, Draft | None], sizes: dict[int, int], rows: int, width: int) -> Tensor:
+        """[rows, width]: each row's newest token, then its draft's (padding 0)."""
+        if rows == 1 and width == 1 + sizes[0]:  # (one row: no writes into a new tensor, each cold after a pass)
+            newest = self.slots[0].sequence[:, -1:]
+            return torch.cat([newest, drafts[0].tokens[None]], 1) if sizes[0] else newest
+        tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        for b, draft in drafts.items():
+            tokens[b, 0] = self.slots[b].sequence[0, -1]
+            if sizes[b]:
+                tokens[b, 1: 1 + sizes[b]] = draft.tokens
+        return tokens
+
+    def _tree_layout(self, drafts: dict[int, Draft | None], sizes: dict[int, int], chains: tuple[int, ...],
+                     width: int) -> tuple[Tensor, Tensor]:
+        """The tree [rows, width, width] and depths [rows, width] of a step where some rows draft trees: laid out
+        on the host and sent at once, then the shapes of trees grown on the device written there."""
+        tree, depths = (t.clone() for t in _chain_layout(chains, width, torch.device("cpu")))
+        grown = []
+        for b, draft in drafts.items():
+            n = sizes[b]
+            if n and not draft.is_chain:
+                tree[b, 1: 1 + n, 0] = True
+                if draft.grown is not None:
+                    grown.append((b, draft))
+                else:
+                    tree[b, 1: 1 + n, 1: 1 + n] = draft.ancestors()
+                    depths[b, 1: 1 + n] = torch.tensor(draft.depths)
+        tree, depths = upload(tree, self.device), upload(depths, self.device)
+        for b, draft in grown:
+            n = sizes[b]
+            tree[b, 1: 1 + n, 1: 1 + n] = draft.grown.ancestors
+            depths[b, 1: 1 + n] = draft.grown.depths
+        return tree, depths
 
     def _next_tokens(self, slots: list[int], logits: Tensor) -> dict[int, Pending]:
         """The next token of every row with no drafts, all at once (``_pick``)."""
@@ -697,9 +718,22 @@ class Engine:
             row.finish_reason = "length"
 
 
+@functools.lru_cache(maxsize=256)
+def _chain_layout(sizes: tuple[int, ...], width: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The tree [rows, width, width] and depths [rows, width] of rows drafting chains of ``sizes`` tokens: each
+    node sees itself and the nodes before it; padding sees itself alone, at depth 0. Kept: never written."""
+    tree = torch.eye(width, dtype=torch.bool).repeat(len(sizes), 1, 1)
+    depths = torch.zeros(len(sizes), width, dtype=torch.long)
+    for b, n in enumerate(sizes):
+        tree[b, : 1 + n, : 1 + n] = torch.ones(1 + n, 1 + n, dtype=torch.bool).tril()
+        depths[b, : 1 + n] = torch.arange(1 + n)
+    return tree.to(device), depths.to(device)
+
+
 def _finish(pending: dict[int, Pending]) -> dict[int, Verdict]:
     """Every row's verdict, from one read of the device: the step's only wait for it."""
-    values = torch.cat([entry.values for entry in pending.values()]).tolist()
+    entries = [entry.values for entry in pending.values()]
+    values = (entries[0] if len(entries) == 1 else torch.cat(entries)).tolist()
     verdicts, start = {}, 0
     for b, entry in pending.items():
         count = entry.values.shape[0]

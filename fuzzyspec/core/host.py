@@ -22,7 +22,10 @@ def upload(values: list | Tensor, device: torch.device | str, dtype: torch.dtype
     tensor = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
-    if torch.device(device).type != "cuda" or tensor.device.type == "cuda":  # (there already: nothing to stage)
+    device = torch.device(device)
+    if device.type == "cpu" and tensor.device.type == "cpu":  # (as ``to`` would: without a call, cold after a pass)
+        return tensor
+    if device.type != "cuda" or tensor.device.type == "cuda":  # (there already: nothing to stage)
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 

@@ -24,7 +24,7 @@ import copy
 import os
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -241,7 +241,8 @@ class LlamaForward(nn.Module):
         h = self.decoder.embed_tokens(tokens)
         cos, sin = self.decoder.rotary_emb(h, positions)
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, k, heads, D]
-        where = (slots if slots is not None else torch.arange(rows, device=tokens.device))[:, None]
+        where = slots[:, None] if slots is not None else torch.arange(rows, device=tokens.device)[:, None] \
+            if torch.compiler.is_compiling() else _row_slots(rows, tokens.device)
         found: Features = {}
         if self.whole is not None and self.stacked is not None and _whole_calls(h, cache.keys[0]) and all(
                 i in (0, self.layer_count) for i in features):  # (no inner layer's input asked for: one call)
@@ -263,6 +264,12 @@ class LlamaForward(nn.Module):
         if self.layer_count in features:
             found[self.layer_count] = h
         return self.lm_head(h[:, -keep:] if keep else h), found
+
+
+@lru_cache(maxsize=64)
+def _row_slots(rows: int, device: torch.device) -> Tensor:
+    """[rows, 1]: row b's cache slot, b (kept, never written: two operations a step, each cold after a pass)."""
+    return torch.arange(rows, device=device)[:, None]
 
 
 def fuse_float_projections(model: nn.Module) -> None:

@@ -395,3 +395,34 @@ def test_drafts_keep_their_shape_on_the_host():
     assert grown.depths == [1, 2, 3] and grown.ancestors().equal(grown.grown.ancestors) and not grown.is_chain
     with pytest.raises(ValueError, match="parents"):
         Draft(torch.tensor([3, 4]), None)
+
+
+
+def test_chain_layouts_are_right_and_kept_unwritten(target, draft, head, monkeypatch):
+    """A step whose rows all draft chains (or nothing) reads its tree and depths from ``_chain_layout``, which keeps
+    them between steps: each chain's nodes see themselves and the nodes before them, padding itself alone; and
+    decoding chains, trees and AR, batched and alone, leaves every kept layout as it was made."""
+    tree, depths = engine_module._chain_layout.__wrapped__((2, 0, 1), 4, torch.device("cpu"))
+    chain_of_3 = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    chain_of_2 = [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    assert tree.int().tolist() == [chain_of_3, torch.eye(4, dtype=torch.int).tolist(), chain_of_2]
+    assert depths.tolist() == [[0, 1, 2, 0], [0, 0, 0, 0], [0, 1, 0, 0]]
+    handed_out = {}
+    kept = engine_module._chain_layout
+
+    def recording(sizes, width, device):
+        handed_out[sizes, width, device] = layout = kept(sizes, width, device)
+        return layout
+    monkeypatch.setattr(engine_module, "_chain_layout", recording)
+    rows = [("draft", DecodeConfig(method="sd", gamma=3, max_new_tokens=16)),
+            ("eagle", DecodeConfig(method="sd", max_new_tokens=16, tree=True, tree_total_tokens=6, tree_depth=3)),
+            ("ar", DecodeConfig(method="ar", max_new_tokens=16)),
+            ("draft", DecodeConfig(method="fsd", threshold=0.4, gamma=2, max_new_tokens=16))]
+    decode_batch(target, [torch.tensor([p]) for p in PROMPTS[: len(rows)]], [c for _, c in rows],
+                 [drafter_for(kind, target, draft, head) for kind, _ in rows], V)
+    for kind, config in rows:  # (one row's steps lay out their tokens their own way)
+        decode(target, drafter_for(kind, target, draft, head), torch.tensor([PROMPTS[0]]), config, V)
+    assert any(max(sizes) > 0 for sizes, _, _ in handed_out) and any(len(sizes) > 1 for sizes, _, _ in handed_out)
+    for (sizes, width, device), (tree, depths) in handed_out.items():
+        fresh_tree, fresh_depths = kept.__wrapped__(sizes, width, device)
+        assert torch.equal(tree, fresh_tree) and torch.equal(depths, fresh_depths), (sizes, width)
