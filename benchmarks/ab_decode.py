@@ -12,13 +12,10 @@ Usage: python benchmarks/ab_decode.py --before COMMIT [--prompts 16] [--repeats 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import time
 
-from ab_main_command import checkout, run_from  # (this folder's modules)
+from ab_main_command import checkout, child_json, run_from  # (this folder's modules)
 from bench_step import ROOT
 from turns import balanced_turns
 
@@ -51,11 +48,7 @@ print(json.dumps({{job: [tokens[job] / seconds[job], digest[job].hexdigest()[:12
 
 def once(where: dict, prompts: int, threads: int) -> dict:
     """One process's {job: [tokens a second, digest of its tokens]}."""
-    code = CHILD.format(benchmarks=str(ROOT / "benchmarks"), prompts=prompts, threads=threads)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, **where)
-    if done.returncode:
-        raise SystemExit(done.stderr)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_json(CHILD.format(benchmarks=str(ROOT / "benchmarks"), prompts=prompts, threads=threads), where)
 
 
 def main() -> None:

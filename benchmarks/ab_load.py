@@ -10,14 +10,12 @@ Usage: python benchmarks/ab_load.py --before COMMIT [--repeats 9] [--first]
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
-from ab_main_command import checkout, run_from  # (this folder's modules)
+from ab_main_command import checkout, child_json, run_from  # (this folder's modules)
 from bench_step import ROOT
 from turns import balanced_turns
 
@@ -44,10 +42,7 @@ PARTS = ("imports", "target", "drafter")
 def once(where: dict, first: bool) -> dict[str, float]:
     if first:
         shutil.rmtree(cache_dir() / "made", ignore_errors=True)
-    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=600, **where)
-    if done.returncode:
-        raise SystemExit(done.stderr)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_json(CHILD, where, timeout=600)
 
 
 def main() -> None:

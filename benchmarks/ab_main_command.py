@@ -46,6 +46,15 @@ def run_from(folder: Path) -> dict:
                                                                                 os.environ.get("PYTHONPATH", "")])}}
 
 
+def child_json(code: str, where: dict, timeout: int = 1800) -> dict:
+    """Run ``python -c code`` in a process of its own (``where``: subprocess.run's cwd and env) and return the JSON
+    its last line of output prints; its error output, as the exit, where it fails."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, **where)
+    if done.returncode:
+        raise SystemExit(done.stderr)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def once(command: list[str], job: list[str], threads: int, first: bool = False, **where) -> tuple[float, dict]:
     """One run of the main command, ``python COMMAND --threads N generate MAIN_PROMPT --json JOB``, in a process of
     its own (``where``: subprocess.run's cwd and env; ``first``: on a fresh cache holding only the GGUF): its wall
