@@ -580,7 +580,8 @@ class Engine:
         tokens = self._tokens(drafts, sizes, rows, width)
         # Each row's tree and depths: a chain's (a row drafting nothing or padding: a chain of none) kept from earlier
         # steps, where made afresh they were ten small operations a step, each cold after a pass
-        chains = tuple(sizes[b] if b in drafts and (drafts[b] is None or drafts[b].is_chain) else 0 for b in range(rows))
+        chains = tuple(sizes[b] if b in drafts and (drafts[b] is None or drafts[b].is_chain) else 0
+                       for b in range(rows))
         if all(draft is None or draft.is_chain for draft in drafts.values()):
             tree, depths = _chain_layout(chains, width, self.device)
         else:

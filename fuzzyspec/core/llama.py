@@ -145,11 +145,21 @@ class Rotary(nn.Module):
         except (IndexError, RuntimeError):  # (a position past the table, or none yet: index_select says so)
             if flat.numel() == 0 or int(flat.min()) < 0 or int(flat.max()) >= TABLE_LIMIT:
                 return self.angles(dtype, positions)
-            size = min(TABLE_LIMIT, max(256, 2 * (0 if table is None else table.shape[1]), int(flat.max()) + 1))
-            table = self._tables[dtype] = torch.stack(self.angles(dtype, torch.arange(size, device="cpu")))
-            rows = table.index_select(1, flat)
+            rows = self.table(dtype, int(flat.max()) + 1).index_select(1, flat)
         rows = rows.view(2, *positions.shape, rows.shape[-1])
         return rows[0], rows[1]
+
+    def table(self, dtype: torch.dtype, size: int) -> Tensor | None:
+        """[2, P, D]: the cos and sin of positions 0 .. P - 1 (P >= ``size``), as ``angles`` makes them, on the CPU;
+        grown by doubling; None past ``TABLE_LIMIT`` positions."""
+        table = self._tables.get(dtype)
+        if table is not None and table.shape[1] >= size:
+            return table
+        if size > TABLE_LIMIT:
+            return None
+        size = min(TABLE_LIMIT, max(256, 2 * (0 if table is None else table.shape[1]), size))
+        table = self._tables[dtype] = torch.stack(self.angles(dtype, torch.arange(size, device="cpu")))
+        return table
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

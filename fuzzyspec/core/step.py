@@ -39,7 +39,7 @@ from .int4 import Int4Linear, Int8Linear, holds_blocks, projection_groups
 from .kernels import ROWS
 from .kept import Kept, NotKept, fingerprint, marked_like, structure
 from .kvcache import StaticCache, attention_mask, chain_tree, write_positions
-from .llama import normed, rotate
+from .llama import Rotary, normed, rotate
 from .parallel import shards
 
 Features = dict[int, Tensor]
@@ -227,6 +227,12 @@ class LlamaForward(nn.Module):
         # and the final norm in that call, where it is an RMSNorm of float32 weights (its own call ran cold after the
         # layers' stream of weights); an empty weight: the norm is left to its own call
         self.final = _norm_of(self.decoder.norm) or (torch.empty(0), 0.0)
+        # and the token embedding's lookup and the rotary angles' too, where the embedding is a plain float32 table and
+        # the angles ours (``fuzzyspec_layer.embedded_layers``): two more operations, each cold after a pass
+        embed = self.decoder.embed_tokens
+        self.lookup = embed.weight if (type(embed) is nn.Embedding and embed.max_norm is None
+                                       and embed.weight.dtype == torch.float32 and embed.weight.device.type == "cpu"
+                                       and isinstance(self.decoder.rotary_emb, Rotary)) else None
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -238,27 +244,38 @@ class LlamaForward(nn.Module):
                 slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = ()
                 ) -> tuple[Tensor, Features]:
         rows, width = tokens.shape
-        h = self.decoder.embed_tokens(tokens)
-        cos, sin = self.decoder.rotary_emb(h, positions)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, k, heads, D]
         where = slots[:, None] if slots is not None else torch.arange(rows, device=tokens.device)[:, None] \
             if torch.compiler.is_compiling() else _row_slots(rows, tokens.device)
         found: Features = {}
-        if self.whole is not None and self.stacked is not None and _whole_calls(h, cache.keys[0]) and all(
-                i in (0, self.layer_count) for i in features):  # (no inner layer's input asked for: one call)
-            if 0 in features:
-                found[0] = h
-            h = torch.ops.fuzzyspec_layer.decoder_layers(h, *self.stacked, cos, sin, cache.keys, cache.values, where,
-                                                         write, mask, self.heads.count, self.heads.kv,
-                                                         self.heads.dim ** -0.5, *self.final)
+        angles = self.decoder.rotary_emb.table(torch.float32, cache.capacity) \
+            if self.lookup is not None and self.stacked is not None and fused_eager(self.lookup) and \
+            cache.keys[0].dtype in (torch.float32, torch.float16) and all(i == self.layer_count for i in features) \
+            else None
+        if angles is not None:  # (the whole pass but the LM head in one call)
+            h = torch.ops.fuzzyspec_layer.embedded_layers(tokens, self.lookup, angles, positions, *self.stacked,
+                                                          cache.keys, cache.values, where, write, mask,
+                                                          self.heads.count, self.heads.kv, self.heads.dim ** -0.5,
+                                                          *self.final)
             normed = self.final[0].numel() > 0
         else:
-            for i, layer in enumerate(self.decoder.layers):
-                if i in features:
-                    found[i] = h
-                h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
-                                  self.heads, self.qkv[i], self.gate_up[i], self.whole and self.whole[i])
-            normed = False
+            h = self.decoder.embed_tokens(tokens)
+            cos, sin = self.decoder.rotary_emb(h, positions)
+            cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, k, heads, D]
+            if self.whole is not None and self.stacked is not None and _whole_calls(h, cache.keys[0]) and all(
+                    i in (0, self.layer_count) for i in features):  # (no inner layer's input asked for: one call)
+                if 0 in features:
+                    found[0] = h
+                h = torch.ops.fuzzyspec_layer.decoder_layers(h, *self.stacked, cos, sin, cache.keys, cache.values,
+                                                             where, write, mask, self.heads.count, self.heads.kv,
+                                                             self.heads.dim ** -0.5, *self.final)
+                normed = self.final[0].numel() > 0
+            else:
+                for i, layer in enumerate(self.decoder.layers):
+                    if i in features:
+                        found[i] = h
+                    h = decoder_layer(layer, h, cos, sin, cache.keys[i], cache.values[i], where, write, mask, slots,
+                                      self.heads, self.qkv[i], self.gate_up[i], self.whole and self.whole[i])
+                normed = False
         if not normed:
             h = rms_norm(self.decoder.norm, h)
         if self.layer_count in features:

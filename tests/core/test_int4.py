@@ -224,6 +224,60 @@ def test_a_4bit_models_layers_in_one_call_give_what_a_call_a_layer_gives(monkeyp
     assert all(map(torch.equal, keys + values, before))
 
 
+def test_the_embedding_and_angles_inside_the_layers_call_give_what_their_own_calls_give(monkeypatch):
+    """Where no layer's input is asked for, an eager step of a 4-bit target looks up its tokens' embeddings and
+    rotary angles inside the layers' one call (``fuzzyspec_layer.embedded_layers``): the same logits, features and
+    cache, bit for bit, as the lookup and the angles' own calls, batched, over a tree, a joining row in its own slot
+    and past the angles kept so far; a position past them or a token past the table is refused before any layer's
+    cache is written."""
+    from fuzzyspec.core.kvcache import attention_mask, chain_tree, write_positions
+    from fuzzyspec.core.llama import Rotary
+
+    model = int4_model(seed=6, fused=True, hidden=64)
+    model.model.rotary_emb = Rotary(model.config)  # (ours, as a GGUF target has: its angles are kept in a table)
+    inside, apart = TargetStep(model), TargetStep(model)
+    apart.forward.lookup = None
+    assert inside.forward.lookup is not None
+    one_call = torch.ops.fuzzyspec_layer.embedded_layers
+    calls = []
+    monkeypatch.setattr(torch.ops.fuzzyspec_layer, "embedded_layers",
+                        lambda *args: calls.append(1) or one_call(*args), raising=False)
+    tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    results = []
+    for step in (inside, apart):
+        cache = StaticCache.for_model(model.config, 3, 512, torch.float16, "cpu")
+        seen = []
+        with torch.inference_mode():
+            cache.lengths = [0, 0]
+            seen.append(run_step(step, cache, [[3, 9, 4, 4, 8], [7, 1, 2, 5, 6]]))
+            cache.lengths = [3, 5]
+            seen.append(run_step(step, cache, [[6, 11, 12, 13], [2, 2, 3, 1]], tree.expand(2, 4, 4),
+                                 torch.tensor([[0, 1, 1, 2]] * 2), features=(2,)))
+            cache.lengths = [300, 400]  # (past the 256 angles a first table holds)
+            seen.append(run_step(step, cache, [[4, 1], [5, 0]], features=(2,)))
+            starts = torch.tensor([0])  # a row joining in slot 2
+            seen.append(step(cache, torch.tensor([[5, 4, 3]]), write_positions(starts, 3), write_positions(starts, 3),
+                             attention_mask(starts, chain_tree(1, 3, "cpu"), cache.capacity), torch.tensor([2])))
+        results.append((seen, cache.keys, cache.values))
+    assert len(calls) == 4
+    (seen, keys, values), (expected, expected_keys, expected_values) = results
+    for (logits, found), (expected_logits, expected_found) in zip(seen, expected):
+        assert torch.equal(logits, expected_logits)
+        assert found.keys() == expected_found.keys() and all(torch.equal(found[i], expected_found[i]) for i in found)
+    assert all(map(torch.equal, keys + values, expected_keys + expected_values))
+    before = [t.clone() for t in keys + values]
+    angles = model.model.rotary_emb.table(torch.float32, 512)
+    weight = model.model.embed_tokens.weight
+    for tokens, positions, problem in (([[1, 2]], [[600, 601]], "a position past the 512 angles kept"),
+                                       ([[1, 10**6]], [[3, 4]], f"a token id past the {weight.shape[0]} rows")):
+        with pytest.raises(RuntimeError) as refused:
+            one_call(torch.tensor(tokens), weight, angles[:, :512], torch.tensor(positions), *inside.forward.stacked,
+                     keys, values, torch.tensor([[0]]), torch.tensor([[3, 4]]),
+                     torch.ones(1, 1, 2, 512, dtype=torch.bool), 4, 2, 0.25, *inside.forward.final)
+        assert str(refused.value).splitlines()[0] == f"embedded_layers: {problem}"
+    assert all(map(torch.equal, keys + values, before))
+
+
 def test_an_8bit_layer_without_an_input_norm_in_one_call_gives_what_its_separate_ops_give():
     """The same call serves an EAGLE head's layer as a 4-bit target's drafter holds it: 8-bit projections, q, k
     and v (gate and up) separate, packed side by side for the call, and no input norm. Its separate ops take PyTorch's
