@@ -95,6 +95,17 @@ def test_an_8_bit_block_holds_its_code_sums_only_where_the_kernels_read_them():
         torch.ops.fuzzyspec_int4.mm_q8(torch.randn(1, 96), other)
 
 
+def same_steps(results: list) -> tuple[list, list]:
+    """Two ways' (outputs of their steps, cache keys, cache values): the same logits, features and cache, bit for
+    bit. Returns the first way's keys and values."""
+    (seen, keys, values), (expected, expected_keys, expected_values) = results
+    for (logits, found), (expected_logits, expected_found) in zip(seen, expected):
+        assert torch.equal(logits, expected_logits)
+        assert found.keys() == expected_found.keys() and all(torch.equal(found[i], expected_found[i]) for i in found)
+    assert all(map(torch.equal, keys + values, expected_keys + expected_values))
+    return keys, values
+
+
 def int4_model(seed: int, fused: bool = False, hidden: int = 32) -> torch.nn.Module:
     model = tiny_llama(seed=seed, hidden=hidden)
     for layer in model.model.layers:
@@ -160,11 +171,7 @@ def test_a_4bit_layer_in_one_call_gives_what_its_separate_ops_give(cache_dtype):
             seen.append(step(cache, torch.tensor([[5, 4, 3]]), write_positions(starts, 3), write_positions(starts, 3),
                              attention_mask(starts, chain_tree(1, 3, "cpu"), cache.capacity), torch.tensor([2])))
         results.append((seen, cache.keys, cache.values))
-    (seen, keys, values), (expected, expected_keys, expected_values) = results
-    for (logits, found), (expected_logits, expected_found) in zip(seen, expected):
-        assert torch.equal(logits, expected_logits)
-        assert found.keys() == expected_found.keys() and all(torch.equal(found[i], expected_found[i]) for i in found)
-    assert all(map(torch.equal, keys + values, expected_keys + expected_values))
+    keys, values = same_steps(results)
     before = [t.clone() for t in keys]
     layer = model.model.layers[0]
     h, cos, sin = torch.randn(1, 2, 64), torch.ones(1, 2, 1, 16), torch.zeros(1, 2, 1, 16)
@@ -208,11 +215,7 @@ def test_a_4bit_models_layers_in_one_call_give_what_a_call_a_layer_gives(monkeyp
         results.append((seen, cache.keys, cache.values))
         assert len(calls) == (2 if step is stacked else 6)
         calls.clear()
-    (seen, keys, values), (expected, expected_keys, expected_values) = results
-    for (logits, found), (expected_logits, expected_found) in zip(seen, expected):
-        assert torch.equal(logits, expected_logits)
-        assert found.keys() == expected_found.keys() and all(torch.equal(found[i], expected_found[i]) for i in found)
-    assert all(map(torch.equal, keys + values, expected_keys + expected_values))
+    keys, values = same_steps(results)
     before = [t.clone() for t in keys + values]
     h, cos, sin = torch.randn(1, 2, 64), torch.ones(1, 2, 1, 16), torch.zeros(1, 2, 1, 16)
     with pytest.raises(RuntimeError) as refused:
@@ -260,11 +263,7 @@ def test_the_embedding_and_angles_inside_the_layers_call_give_what_their_own_cal
                              attention_mask(starts, chain_tree(1, 3, "cpu"), cache.capacity), torch.tensor([2])))
         results.append((seen, cache.keys, cache.values))
     assert len(calls) == 4
-    (seen, keys, values), (expected, expected_keys, expected_values) = results
-    for (logits, found), (expected_logits, expected_found) in zip(seen, expected):
-        assert torch.equal(logits, expected_logits)
-        assert found.keys() == expected_found.keys() and all(torch.equal(found[i], expected_found[i]) for i in found)
-    assert all(map(torch.equal, keys + values, expected_keys + expected_values))
+    keys, values = same_steps(results)
     before = [t.clone() for t in keys + values]
     angles = model.model.rotary_emb.table(torch.float32, 512)
     weight = model.model.embed_tokens.weight
