@@ -227,12 +227,12 @@ class LlamaForward(nn.Module):
         # and the final norm in that call, where it is an RMSNorm of float32 weights (its own call ran cold after the
         # layers' stream of weights); an empty weight: the norm is left to its own call
         self.final = _norm_of(self.decoder.norm) or (torch.empty(0), 0.0)
-        # and the token embedding's lookup and the rotary angles' too, where the embedding is a plain float32 table and
-        # the angles ours (``fuzzyspec_layer.embedded_layers``): two more operations, each cold after a pass
+        # and the token embedding's lookup and the rotary angles' too, where the embedding is a plain table (float32 on
+        # the CPU, seen at each pass) and the angles ours (``fuzzyspec_layer.embedded_layers``): two more operations,
+        # each cold after a pass
         embed = self.decoder.embed_tokens
-        self.lookup = embed.weight if (type(embed) is nn.Embedding and embed.max_norm is None
-                                       and embed.weight.dtype == torch.float32 and embed.weight.device.type == "cpu"
-                                       and isinstance(self.decoder.rotary_emb, Rotary)) else None
+        self.lookup = type(embed) is nn.Embedding and embed.max_norm is None and isinstance(self.decoder.rotary_emb,
+                                                                                             Rotary)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -247,12 +247,13 @@ class LlamaForward(nn.Module):
         where = slots[:, None] if slots is not None else torch.arange(rows, device=tokens.device)[:, None] \
             if torch.compiler.is_compiling() else _row_slots(rows, tokens.device)
         found: Features = {}
+        embedding = self.decoder.embed_tokens.weight
         angles = self.decoder.rotary_emb.table(torch.float32, cache.capacity) \
-            if self.lookup is not None and self.stacked is not None and fused_eager(self.lookup) and \
+            if self.lookup and self.stacked is not None and fused_eager(embedding) and \
             cache.keys[0].dtype in (torch.float32, torch.float16) and all(i == self.layer_count for i in features) \
             else None
         if angles is not None:  # (the whole pass but the LM head in one call)
-            h = torch.ops.fuzzyspec_layer.embedded_layers(tokens, self.lookup, angles, positions, *self.stacked,
+            h = torch.ops.fuzzyspec_layer.embedded_layers(tokens, embedding, angles, positions, *self.stacked,
                                                           cache.keys, cache.values, where, write, mask,
                                                           self.heads.count, self.heads.kv, self.heads.dim ** -0.5,
                                                           *self.final)
