@@ -243,15 +243,14 @@ class LlamaForward(nn.Module):
     def forward(self, cache: StaticCache, tokens: Tensor, positions: Tensor, write: Tensor, mask: Tensor,
                 slots: Tensor | None = None, keep: int = 0, features: tuple[int, ...] = ()
                 ) -> tuple[Tensor, Features]:
-        rows, width = tokens.shape
+        rows = tokens.shape[0]
         where = slots[:, None] if slots is not None else torch.arange(rows, device=tokens.device)[:, None] \
             if torch.compiler.is_compiling() else _row_slots(rows, tokens.device)
         found: Features = {}
         embedding = self.decoder.embed_tokens.weight
         angles = self.decoder.rotary_emb.table(torch.float32, cache.capacity) \
-            if self.lookup and self.stacked is not None and fused_eager(embedding) and \
-            cache.keys[0].dtype in (torch.float32, torch.float16) and all(i == self.layer_count for i in features) \
-            else None
+            if self.lookup and self.stacked is not None and _whole_calls(embedding, cache.keys[0]) and \
+            all(i == self.layer_count for i in features) else None
         if angles is not None:  # (the whole pass but the LM head in one call)
             h = torch.ops.fuzzyspec_layer.embedded_layers(tokens, embedding, angles, positions, *self.stacked,
                                                           cache.keys, cache.values, where, write, mask,
